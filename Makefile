@@ -1,0 +1,38 @@
+# `make run`: the four examples end to end with small settings. `make test`: lint and tests.
+# Both create .venv on first use; a requirements file that changed is reinstalled (stamp files).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: run test test-quick bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.run-installed: requirements.txt | $(PY)
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $@
+
+$(VENV)/.dev-installed: requirements.txt requirements-dev.txt | $(PY)
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	touch $@
+
+test: $(VENV)/.dev-installed
+	$(PY) -m ruff check .
+	$(PY) -m pytest
+
+test-quick: $(VENV)/.dev-installed
+	$(PY) -m ruff check .
+	$(PY) -m pytest -m "not slow"
+
+# The parameter server trains on MNIST when it is in data/ or can be downloaded; otherwise
+# main.py exits 2 before starting anything, and the tour runs it on the synthetic digits.
+PS_TOUR := --epochs 1 --max_batches 60 --log_interval 20
+run: $(VENV)/.run-installed
+	@echo "== param_server: 1 parameter server, 3 trainers"
+	@$(PY) param_server/main.py --dataset mnist $(PS_TOUR) || { test $$? -eq 2 && \
+	  echo "== param_server: MNIST unavailable, using --dataset synthetic" && \
+	  $(PY) param_server/main.py --dataset synthetic $(PS_TOUR); }
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
