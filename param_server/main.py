@@ -14,12 +14,14 @@ See README.md beside this file for what differs from the tutorial, and `--help` 
 
 import argparse
 import contextlib
+import fcntl
 import io
 import ipaddress
 import json
 import os
 import re
 import socket
+import struct
 import sys
 import threading
 import time
@@ -542,17 +544,37 @@ def _exit(message, status=1):
     os._exit(status)
 
 
-def _pin_to_loopback(addr):
-    """RPC sends pickles with no authentication. For a local run, make TensorPipe and Gloo listen
-    on the loopback interface only, so that nothing is reachable from the network."""
+def choose_network_interface(addr):
+    """Tell TensorPipe and Gloo which network interface to listen on and advertise (unless the
+    environment already does): the one that holds this machine's address towards --master_addr.
+    For a local run that is loopback, so nothing is reachable from the network (RPC runs
+    unauthenticated pickles). Across machines, left to themselves they advertise the address
+    the hostname resolves to, often 127.0.1.1, which the other machines cannot reach."""
     try:
-        ips = {info[4][0] for info in socket.getaddrinfo(addr, None)}
-    except socket.gaierror:
+        family, _, _, _, sockaddr = socket.getaddrinfo(addr, 1, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)  # chooses the route; a UDP connect sends nothing
+            local_address = probe.getsockname()[0]
+    except OSError:
         return
-    if ips and all(ipaddress.ip_address(ip.split("%")[0]).is_loopback for ip in ips):
-        loopback = "lo0" if sys.platform == "darwin" else "lo"
-        os.environ.setdefault("TP_SOCKET_IFNAME", loopback)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    name = next((name for _, name in socket.if_nameindex()
+                 if _ipv4_address(name) == local_address), None)
+    if name is None and ipaddress.ip_address(local_address).is_loopback:
+        name = "lo0" if sys.platform == "darwin" else "lo"
+    if name:
+        os.environ.setdefault("TP_SOCKET_IFNAME", name)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+
+
+def _ipv4_address(interface):
+    """The IPv4 address of a network interface (Linux), or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            request = struct.pack("256s", interface.encode()[:15])
+            reply = fcntl.ioctl(sock.fileno(), 0x8915, request)  # SIOCGIFADDR
+    except OSError:
+        return None
+    return socket.inet_ntoa(reply[20:24])
 
 
 def spawn_all(args):
@@ -700,7 +722,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    _pin_to_loopback(args.master_addr)
+    choose_network_interface(args.master_addr)
     if args.rank is None:
         spawn_all(args)
     else:
