@@ -4,10 +4,12 @@ that also checks nothing is left running, tiny MNIST files, and in-process acces
 import gzip
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,62 +53,98 @@ def example_command(example, *args):
     return [sys.executable, str(ROOT / example / "main.py"), *map(str, args)]
 
 
-def _session_processes(session_id):
-    """Pids of the live processes in a session (zombies excluded: they are already gone)."""
-    pids = []
+def _proc_stat(pid):
+    """(state, parent pid, session id, start time) of a process, from /proc/<pid>/stat."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return fields[0], int(fields[1]), int(fields[3]), int(fields[19])
+
+
+def _processes(match):
+    """Pids of the live processes (zombies excluded: they are already gone) whose
+    (state, ppid, session, start) stat satisfies `match`, oldest first."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
-        except OSError:
+            stat = _proc_stat(entry.name)
+        except (OSError, ValueError):
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        state, session = fields[0], int(fields[3])
-        if session == session_id and state != "Z":
-            pids.append(int(entry.name))
-    return pids
+        if stat[0] != "Z" and match(stat):
+            found.append((stat[3], int(entry.name)))
+    return [pid for _, pid in sorted(found)]
 
 
 class Run:
     """One example process started in a session of its own, so that everything it starts can
-    be found, checked and cleaned up afterwards."""
+    be found, checked and cleaned up afterwards. Output goes to files (no pipe to fill up)."""
 
-    def __init__(self, cmd, env=None, cwd=None):
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            if env is None or name not in env:
-                full_env.pop(name, None)
-        self.cmd = cmd
+    def __init__(self, cmd, log_dir=None, env=None, cwd=None):
+        log_dir = Path(log_dir or tempfile.mkdtemp(prefix="rpc-example-"))
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                     "TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+            full_env.pop(name, None)
+        full_env.update(env or {})
+        log_dir.mkdir(parents=True, exist_ok=True)
+        stem = log_dir / f"run{len(list(log_dir.glob('*.out')))}"
+        self.out_path, self.err_path = stem.with_suffix(".out"), stem.with_suffix(".err")
+        self.cmd = [str(part) for part in cmd]
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, env=full_env, cwd=cwd or ROOT, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)
-        self.returncode = self.stdout = self.stderr = None
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(self.cmd, env=full_env, cwd=cwd or ROOT, stdout=out,
+                                         stderr=err, start_new_session=True)
+        self.returncode = None
         self.seconds = None
 
     @property
+    def stdout(self):
+        return self.out_path.read_text()
+
+    @property
+    def stderr(self):
+        return self.err_path.read_text()
+
+    @property
     def output(self):
-        return (self.stdout or "") + (self.stderr or "")
+        return self.stdout + self.stderr
 
     def wait(self, timeout):
         """Wait for the process; on timeout kill its whole session and fail the test."""
         try:
-            self.stdout, self.stderr = self.proc.communicate(timeout=timeout)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill_session()
-            self.stdout, self.stderr = self.proc.communicate()
+            self.proc.wait()
             pytest.fail(f"{' '.join(self.cmd)} did not finish within {timeout} s\n"
                         f"{self.stdout[-3000:]}\n{self.stderr[-3000:]}")
         self.seconds = time.monotonic() - self.started
         self.returncode = self.proc.returncode
         return self
 
+    def wait_for_output(self, pattern, timeout):
+        """Poll the output until `pattern` (a regex) appears; fail the test after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.output, re.M):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill_session()
+                pytest.fail(f"{pattern!r} never appeared in the output of "
+                            f"{' '.join(self.cmd)}:\n{self.output[-3000:]}")
+            time.sleep(0.05)
+
+    def children(self):
+        """The processes this one started directly, oldest first (for spawn-all: ranks 0, 1,
+        ..., after multiprocessing's resource tracker, which is filtered out)."""
+        pids = _processes(lambda stat: stat[1] == self.proc.pid)
+        return [pid for pid in pids
+                if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
     def leftovers(self, grace=10.0):
         """Processes of this run still alive after `grace` seconds (polled, not slept)."""
         deadline = time.monotonic() + grace
         while True:
-            alive = _session_processes(self.proc.pid)
+            alive = _processes(lambda stat: stat[2] == self.proc.pid)
             if not alive or time.monotonic() > deadline:
                 return alive
             time.sleep(0.1)
@@ -118,29 +156,42 @@ class Run:
             pass
 
 
-def run_example(example, *args, timeout=120, env=None, check_leftovers=True):
-    """Run an example to completion; fail the test if it times out or leaves processes."""
-    run = Run(example_command(example, *args), env=env).wait(timeout)
-    if check_leftovers:
-        alive = run.leftovers()
-        run.kill_session()
-        assert not alive, f"processes left running after {example}: {alive}"
-    return run
-
-
-def start_example(example, *args, env=None):
-    return Run(example_command(example, *args), env=env)
-
-
 @pytest.fixture
-def runs():
-    """Collects Run objects started in a test and makes sure none survives it."""
-    started = []
+def runs(tmp_path):
+    """Starts example processes for a test (runs.start(...)) and makes sure none survives it."""
+    started = Runs(tmp_path / "logs")
     yield started
     for run in started:
         run.kill_session()
         if run.proc.poll() is None:
             run.proc.wait(timeout=10)
+
+
+class Runs(list):
+    def __init__(self, log_dir):
+        super().__init__()
+        self.log_dir = log_dir
+
+    def start(self, example, *args, env=None, prefix=()):
+        return self.start_command([*prefix, *example_command(example, *args)], env=env)
+
+    def start_command(self, cmd, env=None):
+        run = Run(cmd, self.log_dir, env=env)
+        self.append(run)
+        return run
+
+
+def start_example(example, *args, env=None, log_dir=None):
+    return Run(example_command(example, *args), log_dir, env=env)
+
+
+def run_example(example, *args, timeout=120, env=None, log_dir=None):
+    """Run an example to completion; fail the test if it times out or leaves processes."""
+    run = start_example(example, *args, env=env, log_dir=log_dir).wait(timeout)
+    alive = run.leftovers()
+    run.kill_session()
+    assert not alive, f"processes left running after {example}: {alive}"
+    return run
 
 
 # --------- Loading an example in-process --------------------

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 import torch
-from conftest import find_free_port, load_example, run_example, start_example, write_mnist
+from conftest import find_free_port, load_example, run_example, write_mnist
 
 ps = load_example("param_server")
 
@@ -149,7 +149,7 @@ def two_trainers(tmp_path_factory):
     the assertions below."""
     summary = tmp_path_factory.mktemp("ps") / "summary.json"
     run = run_example("param_server", "--world_size", 3, "--dataset", "synthetic",
-                      "--max_batches", 40, "--log_interval", 10, "--master_port", find_free_port(),
+                      "--max_batches", 60, "--log_interval", 5, "--master_port", find_free_port(),
                       "--summary_json", summary, timeout=150)
     return run, json.loads(summary.read_text()) if summary.exists() else None
 
@@ -164,27 +164,27 @@ def test_spawn_all_trains_two_trainers_concurrently(two_trainers):
         assert line in run.stdout
     assert len(re.findall(r"^Accuracy 0\.\d+$", run.stdout, re.M)) == 2
     assert summary["trainers"] == 2
-    assert summary["batches_per_trainer"] == {"trainer_1": 40, "trainer_2": 40}
+    assert summary["batches_per_trainer"] == {"trainer_1": 60, "trainer_2": 60}
 
 
 def test_spawn_all_learned(two_trainers):
     run, summary = two_trainers
-    assert summary["accuracy"] >= 0.7, summary  # chance is 0.1
+    # Seen on 2 cores: accuracy 0.93-0.98, last losses at 0.21-0.26 of the first; the margins
+    # allow for the run-to-run variation of asynchronous training.
+    assert summary["accuracy"] >= 0.8, summary  # chance is 0.1
     for rank in (1, 2):
-        losses = logged_losses(run.stdout, rank)
-        assert len(losses) == 4 and losses[-1] < losses[0] * 0.7, losses
-    assert summary["samples"] == 2 * 40 * 32 and summary["samples_per_second"] > 0
+        losses = logged_losses(run.stdout, rank)  # single batches: noisy, so average the last
+        assert len(losses) == 12 and sum(losses[-3:]) / 3 < losses[0] * 0.5, losses
+    assert summary["samples"] == 2 * 60 * 32 and summary["samples_per_second"] > 0
 
 
 def test_ranks_as_separate_commands_on_mnist_files_trainer_first(tmp_path, runs):
     data = write_mnist(tmp_path / "data", train_size=640, test_size=200)
     common = ["--world_size", 2, "--master_port", find_free_port(), "--dataset", "mnist",
               "--data_dir", data, "--epochs", 2, "--log_interval", 10]
-    trainer = start_example("param_server", *common, "--rank", 1)
-    runs.append(trainer)
-    server = start_example("param_server", *common, "--rank", 0,
-                           "--summary_json", tmp_path / "summary.json")
-    runs.append(server)
+    trainer = runs.start("param_server", *common, "--rank", 1)
+    server = runs.start("param_server", *common, "--rank", 0,
+                        "--summary_json", tmp_path / "summary.json")
     for run in (server, trainer):
         run.wait(timeout=120)
         assert run.returncode == 0, run.output

@@ -1,0 +1,288 @@
+"""Launch modes and failure behaviour, the same checks for every example: torchrun, several
+hosts (network namespaces), a rank killed mid-run, a rank that never comes, bad input, and local
+runs listening on loopback only. Everything that starts processes is marked slow."""
+
+import ipaddress
+import multiprocessing
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, _processes, example_command, find_free_port, load_example
+
+# How long the other ranks may take to exit after one is killed. Measured: about 1-2 s when
+# the machine is idle (a dead peer's connections close at once and the heartbeat runs every
+# second); the bound leaves room for a loaded 2-core CI machine. README.md documents it.
+EXIT_BOUND_SECONDS = 20
+
+
+@dataclass
+class Example:
+    name: str
+    world_size: int  # the smallest world that has every role
+    quick: list  # flags for a short complete run
+    endless: list  # flags for a run that lasts until it is killed
+    roles: dict  # rank -> worker name, one rank per role
+    working: str  # a line that shows the run is under way
+    bad_inputs: list = field(default_factory=list)  # (flags, expected text), example-specific
+
+
+EXAMPLES = {
+    "param_server": Example(
+        name="param_server", world_size=2,
+        quick=["--dataset", "synthetic", "--max_batches", 5],
+        endless=["--dataset", "synthetic", "--epochs", 1000],
+        roles={0: "parameter_server", 1: "trainer_1"},
+        working=r"^Rank 1 training batch",
+        bad_inputs=[(["--num_gpus", "3"], "must be 0, 1 or 2"),
+                    (["--data_dir", "/nonexistent"], "no such folder")]),
+}
+
+
+# --------- Bad input, in-process: every example, every case --------------------
+
+GENERIC_BAD_INPUTS = [
+    (["--world_size", "1"], "must be at least"),
+    (["--world_size", "x"], "invalid integer"),
+    (["--rank", "-1"], "must be at least 0"),
+    (["--rank", "64"], "outside a world of"),
+    (["--seed", "-3"], "must be at least 0"),
+    (["--master_port", "0"], "from 1 to 65535"),
+    (["--master_port", "99999"], "from 1 to 65535"),
+    (["--master_port", "http"], "invalid port"),
+    (["--init_timeout", "-5"], "greater than 0"),
+    (["--rpc_timeout", "nan"], "greater than 0"),
+]
+BAD_INPUT_CASES = [(name, flags, text) for name in EXAMPLES
+                   for flags, text in GENERIC_BAD_INPUTS + EXAMPLES[name].bad_inputs]
+
+
+def _child_processes():
+    return _processes(lambda stat: stat[1] == os.getpid())
+
+
+@pytest.mark.parametrize("example, flags, expected", BAD_INPUT_CASES,
+                         ids=[f"{n}:{' '.join(f)}" for n, f, _ in BAD_INPUT_CASES])
+def test_bad_input_exits_2_with_one_line_and_starts_nothing(capsys, example, flags, expected):
+    module = load_example(example)
+    before = _child_processes()
+    with pytest.raises(SystemExit) as exited:
+        module.main([*map(str, EXAMPLES[example].quick), *flags])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert expected in err
+    assert not multiprocessing.active_children() and _child_processes() == before
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_busy_port_is_one_line_naming_it(capsys, example):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exited:
+            load_example(example).main([*map(str, EXAMPLES[example].quick),
+                                        "--master_port", str(port)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert f":{port}" in err and "--master_port" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_bad_input_on_the_real_command_line(example, runs):
+    run = runs.start(example, *EXAMPLES[example].quick, "--world_size", "1").wait(timeout=60)
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.stderr.strip().splitlines()) == 1 and "must be at least" in run.stderr
+    assert not run.leftovers(grace=0)
+
+
+# --------- Loopback only --------------------
+
+def _listening_sockets():
+    """{socket inode: 'address:port'} for every listening TCP socket in this network namespace."""
+    listening = {}
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        if not Path(table).exists():
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A":  # TCP_LISTEN
+                continue
+            hex_addr, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_addr)
+            # /proc shows addresses as 32-bit words in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+            listening[fields[9]] = (ipaddress.ip_address(raw), int(hex_port, 16))
+    return listening
+
+
+def _sockets_of(pid):
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def assert_listening_on_loopback_only(run, world_size):
+    """Every listening socket of a run's processes is on a loopback address."""
+    listening = _listening_sockets()
+    pids = _processes(lambda stat: stat[2] == run.proc.pid)
+    ours = {listening[inode] for pid in pids for inode in _sockets_of(pid) if inode in listening}
+    assert len(ours) >= world_size  # the rendezvous, plus each rank's own listeners
+    assert all(address.is_loopback for address, _ in ours), sorted(map(str, ours))
+
+
+# --------- torchrun --------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_torchrun_runs_every_rank(example, runs, tmp_path):
+    config = EXAMPLES[example]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                str(config.world_size), "--master_port", str(find_free_port())]
+    script = example_command(example, *config.quick, "--summary_json", tmp_path / "summary.json")
+    run = runs.start_command([*torchrun, *script[1:]]).wait(timeout=120)
+    assert run.returncode == 0, run.output
+    assert (tmp_path / "summary.json").exists()
+    assert not run.leftovers()
+
+
+# --------- A rank killed mid-run --------------------
+
+KILL_CASES = [(name, rank, mode) for name, config in EXAMPLES.items()
+              for rank in config.roles for mode in ("spawn-all", "per-rank")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example, victim, mode", KILL_CASES,
+                         ids=[f"{n}-{EXAMPLES[n].roles[r]}-{m}" for n, r, m in KILL_CASES])
+def test_killed_rank_stops_every_other_rank(example, victim, mode, runs):
+    """SIGKILL one rank mid-run: every other process exits non-zero within the bound, naming
+    the lost peer, and nothing is left running. Spawn-all runs also check loopback only."""
+    config = EXAMPLES[example]
+    common = [*config.endless, "--world_size", config.world_size,
+              "--master_port", find_free_port()]
+    if mode == "spawn-all":
+        launcher = runs.start(example, *common)
+        launcher.wait_for_output(config.working, timeout=90)
+        # While a local run is under way, nothing of it may be reachable from the network.
+        assert_listening_on_loopback_only(launcher, config.world_size)
+        ranks = launcher.children()
+        assert len(ranks) == config.world_size
+        survivors = [launcher]
+        victim_pid = ranks[victim]
+    else:
+        processes = [runs.start(example, *common, "--rank", rank)
+                     for rank in range(config.world_size)]
+        _wait_any(processes, config.working)
+        survivors = [p for rank, p in enumerate(processes) if rank != victim]
+        victim_pid = processes[victim].proc.pid
+
+    killed_at = time.monotonic()
+    os.kill(victim_pid, signal.SIGKILL)
+    for survivor in survivors:
+        survivor.wait(timeout=EXIT_BOUND_SECONDS + 30)
+        took = time.monotonic() - killed_at
+        assert survivor.returncode != 0, survivor.output
+        assert took < EXIT_BOUND_SECONDS, f"exited {took:.1f} s after the kill"
+        assert not survivor.leftovers()
+    victim_name = config.roles[victim]
+    if mode == "spawn-all":
+        assert f"{victim_name} (rank {victim}) was killed by SIGKILL" in survivors[0].stderr
+    else:
+        for survivor in survivors:
+            assert re.search(rf"lost contact with [^(]*\b{victim_name}\b", survivor.stderr), \
+                survivor.stderr[-2000:]
+
+
+def _wait_any(processes, pattern, timeout=90):
+    deadline = time.monotonic() + timeout
+    while not any(re.search(pattern, p.output, re.M) for p in processes):
+        assert time.monotonic() < deadline, "the run never got under way"
+        time.sleep(0.05)
+
+
+# --------- A rank that never comes --------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", EXAMPLES)
+@pytest.mark.parametrize("present", ["rank 0", "another rank"])
+def test_missing_rank_ends_the_others_after_init_timeout(example, present, runs):
+    config = EXAMPLES[example]
+    rank = 0 if present == "rank 0" else config.world_size - 1
+    run = runs.start(example, *config.quick, "--world_size", config.world_size,
+                     "--master_port", find_free_port(), "--rank", rank, "--init_timeout", 3)
+    run.wait(timeout=60)
+    assert run.returncode == 1
+    assert "within 3 s (--init_timeout)" in run.stderr, run.stderr
+    assert not run.leftovers()
+
+
+# --------- Several hosts --------------------
+
+def _ip(*args, check=True):
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair, with private addresses: two 'machines'."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("needs root and iproute2's ip to create network namespaces")
+    tag = f"{os.getpid() % 10000}"
+    hosts = [f"rpcA{tag}", f"rpcB{tag}"]
+    subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+    addresses = [f"{subnet}.1", f"{subnet}.2"]
+    try:
+        for host in hosts:
+            _ip("netns", "add", host)
+        _ip("link", "add", f"ve{tag}a", "type", "veth", "peer", "name", f"ve{tag}b")
+        for host, end, address in zip(hosts, "ab", addresses, strict=True):
+            _ip("link", "set", f"ve{tag}{end}", "netns", host)
+            _ip("-n", host, "addr", "add", f"{address}/24", "dev", f"ve{tag}{end}")
+            _ip("-n", host, "link", "set", f"ve{tag}{end}", "up")
+            _ip("-n", host, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as err:
+        for host in hosts:
+            _ip("netns", "del", host, check=False)
+        pytest.skip(f"cannot create network namespaces here: {err.stderr.strip()}")
+    yield list(zip(hosts, addresses, strict=True))
+    for host in hosts:
+        for pid in _ip("netns", "pids", host, check=False).stdout.split():
+            os.kill(int(pid), signal.SIGKILL)
+        _ip("netns", "del", host, check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_ranks_on_two_hosts(example, two_hosts, runs, tmp_path):
+    config = EXAMPLES[example]
+    (host_a, addr_a), (host_b, _) = two_hosts
+    common = [*config.quick, "--world_size", config.world_size, "--master_addr", addr_a,
+              "--master_port", find_free_port(), "--init_timeout", 60,
+              "--summary_json", tmp_path / "summary.json"]
+    processes = [runs.start(example, *common, "--rank", rank,
+                            prefix=["ip", "netns", "exec", host_a if rank == 0 else host_b])
+                 for rank in range(config.world_size)]
+    for process in processes:
+        process.wait(timeout=120)
+        assert process.returncode == 0, process.output
+    assert (tmp_path / "summary.json").exists()
+
+
+def test_every_example_is_covered():
+    assert {p.name for p in ROOT.iterdir() if (p / "main.py").exists()} <= set(EXAMPLES)
