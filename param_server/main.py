@@ -295,7 +295,7 @@ def run_worker(rank, world_size, num_gpus, train_loader, test_loader, args):
     finish_and_shutdown(f"trainer_{rank}", world_size, args, report)
 
 
-def worker_name(rank):
+def worker_name(rank, world_size):
     return "parameter_server" if rank == 0 else f"trainer_{rank}"
 
 
@@ -484,7 +484,8 @@ def _listen_for_rendezvous(addr, port):
 def finish_and_shutdown(name, world_size, args, report=None):
     """Tell every peer that this rank is done (with its report), wait until every peer is done,
     then shut RPC down. Returns every peer's report."""
-    peers = [worker_name(rank) for rank in range(world_size) if worker_name(rank) != name]
+    peers = [worker_name(rank, world_size) for rank in range(world_size)
+             if worker_name(rank, world_size) != name]
     for peer in peers:
         rpc.rpc_sync(peer, _report_finished, args=(name, report))
     while True:
@@ -501,7 +502,7 @@ def finish_and_shutdown(name, world_size, args, report=None):
 
 def run_rank(rank, args):
     """Everything one rank does, in its own process; a failure ends the process with status 1."""
-    name = worker_name(rank)
+    name = worker_name(rank, args.world_size)
     try:
         if rank == 0:
             run_parameter_server(rank, args.world_size, args)
@@ -511,7 +512,7 @@ def run_rank(rank, args):
     except KeyboardInterrupt:
         _exit(f"{name}: interrupted", status=130)
     except Exception as err:  # noqa: BLE001 - reported below, then the process ends
-        peers = [worker_name(r) for r in range(args.world_size) if r != rank]
+        peers = [worker_name(r, args.world_size) for r in range(args.world_size) if r != rank]
         lost = _unreachable(peers) if _rpc_ready.is_set() else []
         if not lost:
             traceback.print_exc()
@@ -531,9 +532,11 @@ def _unreachable(peers):
 
 
 def _first_line(err):
-    """The gist of an error: its first line, without TensorPipe's note on its source file."""
-    line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    return re.sub(r" \(this error originated at [^)]*\)", "", line)
+    """The gist of an error: its first line (after the "On WorkerInfo(...):" line that starts an
+    error raised on another rank), without TensorPipe's note on its source file."""
+    lines = [line for line in str(err).strip().splitlines()
+             if line and not line.startswith("On WorkerInfo(")]
+    return re.sub(r" \(this error originated at [^)]*\)", "", (lines or [type(err).__name__])[0])
 
 
 def _exit(message, status=1):
@@ -584,7 +587,7 @@ def spawn_all(args):
     except mp.ProcessExitedException as err:
         how = (f"was killed by {err.signal_name}" if err.signal_name
                else f"exited with status {err.exit_code}")
-        _exit(f"{worker_name(err.error_index)} (rank {err.error_index}) {how}; "
+        _exit(f"{worker_name(err.error_index, args.world_size)} (rank {err.error_index}) {how}; "
               f"stopped the other ranks")
     except KeyboardInterrupt:
         _exit("interrupted", status=130)
@@ -651,7 +654,7 @@ def add_launch_arguments(parser, world_size, min_world_size, roles):
 
 def resolve_launch(parser, args, min_world_size):
     """Fill in rank and rendezvous from torchrun's environment when torchrun started us, and
-    check that the rank fits the world; set MASTER_ADDR and MASTER_PORT for init_rpc."""
+    check that the rank fits the world and that rank 0 can listen where it must."""
     args.torchrun = args.rank is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.torchrun:
         try:
@@ -674,8 +677,6 @@ def resolve_launch(parser, args, min_world_size):
             parser.error(f"cannot listen on {args.master_addr}:{args.master_port} "
                          f"({err.strerror or err}); if the port is in use, choose another "
                          f"with --master_port")
-    os.environ["MASTER_ADDR"] = args.master_addr
-    os.environ["MASTER_PORT"] = str(args.master_port)
 
 
 def parse_args(argv=None):
@@ -722,6 +723,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    os.environ["MASTER_ADDR"] = args.master_addr  # where init_rpc's env:// rendezvous looks
+    os.environ["MASTER_PORT"] = str(args.master_port)
     choose_network_interface(args.master_addr)
     if args.rank is None:
         spawn_all(args)

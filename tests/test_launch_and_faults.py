@@ -43,6 +43,14 @@ EXAMPLES = {
         working=r"^Rank 1 training batch",
         bad_inputs=[(["--num_gpus", "3"], "must be 0, 1 or 2"),
                     (["--data_dir", "/nonexistent"], "no such folder")]),
+    "ddp_rpc_hybrid": Example(
+        name="ddp_rpc_hybrid", world_size=3,
+        quick=["--epochs", 2],
+        endless=["--epochs", 100000],
+        roles={0: "trainer0", 1: "master", 2: "ps"},
+        working=r"^Training done for epoch",
+        bad_inputs=[(["--world_size", "2"], "must be at least 3"),
+                    (["--master_port", "65535"], "65535 leaves no port")]),
 }
 
 

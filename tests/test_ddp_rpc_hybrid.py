@@ -1,0 +1,242 @@
+import json
+import os
+import random
+import re
+import socket
+
+import pytest
+import torch
+from conftest import find_free_port, load_example, run_example
+
+hybrid = load_example("ddp_rpc_hybrid")
+
+
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """main() sets MASTER_ADDR and MASTER_PORT for the ranks it starts; keep them out of the
+    other tests."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+# --------- Pure logic, in-process --------------------
+
+@pytest.mark.parametrize("trainer_rank, num_trainers, gpu_count, expected", [
+    (0, 2, 0, ("gloo", "cpu")),
+    (1, 2, 0, ("gloo", "cpu")),
+    (1, 2, 1, ("gloo", "cpu")),  # one trainer without a GPU: nobody uses NCCL
+    (0, 2, 2, ("nccl", "cuda:0")),
+    (1, 2, 2, ("nccl", "cuda:1")),
+    (0, 1, 1, ("nccl", "cuda:0")),
+    (2, 3, 8, ("nccl", "cuda:2")),
+])
+def test_backend_and_device_follow_the_tutorial(trainer_rank, num_trainers, gpu_count, expected):
+    backend, device = hybrid.choose_backend_and_device(trainer_rank, num_trainers, gpu_count)
+    assert (backend, str(device)) == expected
+
+
+@pytest.mark.parametrize("world_size, names", [
+    (3, ["trainer0", "master", "ps"]),
+    (4, ["trainer0", "trainer1", "master", "ps"]),
+    (6, ["trainer0", "trainer1", "trainer2", "trainer3", "master", "ps"]),
+])
+def test_ranks_are_trainers_then_master_then_ps(world_size, names):
+    assert [hybrid.worker_name(rank, world_size) for rank in range(world_size)] == names
+
+
+def test_batches_are_bags_whose_indices_all_belong_to_the_target_class():
+    batches = list(hybrid.get_next_batch(random.Random(0), 50, torch.device("cpu")))
+    assert len(batches) == 50
+    for indices, offsets, target in batches:
+        assert indices.dtype == offsets.dtype == target.dtype == torch.int64
+        assert 20 <= len(indices) <= 50
+        assert offsets[0] == 0 and len(target) == len(offsets)
+        bag_sizes = torch.diff(offsets, append=torch.tensor([len(indices)]))
+        assert bag_sizes.min() >= 1 and bag_sizes.max() <= 10
+        assert indices.min() >= 0 and indices.max() < hybrid.NUM_EMBEDDINGS
+        assert torch.equal(indices % hybrid.NUM_CLASSES, target.repeat_interleave(bag_sizes))
+    every_index = torch.cat([indices for indices, _, _ in batches])
+    every_target = torch.cat([target for _, _, target in batches])
+    assert every_index.unique().numel() == hybrid.NUM_EMBEDDINGS  # the whole table is used
+    assert every_target.unique().numel() == hybrid.NUM_CLASSES
+
+
+def test_batches_depend_on_the_seed_only():
+    def draw(seed):
+        return [torch.cat(batch) for batch in
+                hybrid.get_next_batch(random.Random(seed), 5, torch.device("cpu"))]
+
+    same, again, other = draw(7), draw(7), draw(8)
+    assert all(torch.equal(a, b) for a, b in zip(same, again, strict=True))
+    assert not all(a.shape == b.shape and torch.equal(a, b)
+                   for a, b in zip(same, other, strict=True))
+
+
+@pytest.fixture
+def one_thread():
+    """Tensors this small gain nothing from intra-op threads, which stall when the cores are
+    busy (a 0.2 s test took 10 s on a loaded 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_targets_can_be_learned_by_the_model_s_two_halves(one_thread):
+    """The same model and optimizer settings as the trainers, locally, without RPC or DDP: the
+    loss falls to well under half of where it starts."""
+    torch.manual_seed(0)
+    table = torch.nn.EmbeddingBag(hybrid.NUM_EMBEDDINGS, hybrid.EMBEDDING_DIM, mode="sum")
+    dense = torch.nn.Linear(hybrid.EMBEDDING_DIM, hybrid.NUM_CLASSES)
+    opt = torch.optim.SGD([*table.parameters(), *dense.parameters()], lr=hybrid.LEARNING_RATE)
+    losses = []
+    for indices, offsets, target in hybrid.get_next_batch(random.Random(0), 200,
+                                                         torch.device("cpu")):
+        loss = torch.nn.functional.cross_entropy(dense(table(indices, offsets)), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    early, late = sum(losses[:20]) / 20, sum(losses[-50:]) / 50
+    assert late < 0.4 * early, (early, late)
+
+
+# --------- Command line, in-process --------------------
+
+def bad_input_message(capsys, argv):
+    with pytest.raises(SystemExit) as exited:
+        hybrid.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--world_size", "2"], "must be at least 3"),
+    (["--world_size", "four"], "invalid integer"),
+    (["--rank", "4"], "outside a world of 4"),
+    (["--world_size", "3", "--rank", "3"], "outside a world of 3"),
+    (["--rank", "-1"], "must be at least 0"),
+    (["--epochs", "0"], "must be at least 1"),
+    (["--batches_per_epoch", "-2"], "must be at least 1"),
+    (["--seed", "-1"], "must be at least 0"),
+    (["--init_timeout", "0"], "greater than 0"),
+    (["--master_port", "0"], "from 1 to 65535"),
+    (["--master_port", "65536"], "from 1 to 65535"),
+    (["--master_port", "65535", "--rank", "2"], "65535 leaves no port"),
+])
+def test_bad_input_is_one_line_and_status_2(capsys, argv, expected):
+    assert expected in bad_input_message(capsys, argv)
+
+
+def test_torchrun_with_too_few_processes_is_one_line(capsys, monkeypatch):
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(find_free_port()))):
+        monkeypatch.setenv(name, value)
+    assert "needs at least 3 processes" in bad_input_message(capsys, [])
+
+
+@pytest.mark.parametrize("offset, rank", [(0, None), (1, None), (1, 0)])
+def test_busy_ports_name_the_port_and_the_flag(capsys, offset, rank):
+    """Both ports that trainer0 opens are checked before anything starts: --master_port for
+    RPC and --master_port + 1 for the trainers' process group."""
+    port = find_free_port()
+    with socket.create_server(("127.0.0.1", port + offset)):
+        argv = ["--master_addr", "127.0.0.1", "--master_port", str(port)]
+        err = bad_input_message(capsys, argv + ([] if rank is None else ["--rank", str(rank)]))
+    assert str(port + offset) in err and "--master_port" in err
+
+
+def test_process_group_port_is_checked_only_where_it_is_opened():
+    port = find_free_port()
+    with socket.create_server(("127.0.0.1", port + 1)):
+        args = hybrid.parse_args(["--master_addr", "127.0.0.1", "--master_port", str(port),
+                                  "--rank", "1"])
+    assert args.rank == 1 and args.world_size == 4
+
+
+def test_hyphenated_flags_and_torchrun_environment(monkeypatch):
+    for name, value in (("RANK", "3"), ("WORLD_SIZE", "5"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "29999")):
+        monkeypatch.setenv(name, value)
+    args = hybrid.parse_args(["--batches-per-epoch", "4", "--world-size", "9"])
+    assert (args.rank, args.world_size, args.master_port, args.batches_per_epoch) == (3, 5,
+                                                                                      29999, 4)
+    assert args.torchrun and hybrid.worker_name(3, args.world_size) == "master"
+
+
+def test_help_shows_every_default_and_the_second_port(capsys):
+    with pytest.raises(SystemExit) as exited:
+        hybrid.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert exited.value.code == 0
+    for flag in ("--world_size", "--master_port", "--epochs", "--batches_per_epoch", "--seed",
+                 "--summary_json", "--init_timeout", "--rpc_timeout"):
+        assert flag in out
+    assert "(default: 4)" in out and "(default: 100)" in out and "(default: 29500)" in out
+    assert "--master_port + 1" in out
+
+
+# --------- Whole runs --------------------
+
+def epoch_losses(output, trainer):
+    return [float(loss) for loss in re.findall(
+        rf"^Training done for epoch \d+ on {trainer}, loss (\S+)$", output, re.M)]
+
+
+@pytest.fixture(scope="module")
+def two_trainers(tmp_path_factory):
+    """One spawn-all run (two trainers, the master, ps), shared by the assertions below."""
+    summary = tmp_path_factory.mktemp("ddp") / "summary.json"
+    run = run_example("ddp_rpc_hybrid", "--epochs", 10, "--master_port", find_free_port(),
+                      "--summary_json", summary, timeout=150)
+    return run, json.loads(summary.read_text()) if summary.exists() else None
+
+
+def test_spawn_all_trains_both_trainers(two_trainers):
+    run, summary = two_trainers
+    assert run.returncode == 0, run.output
+    for trainer in ("trainer0", "trainer1"):
+        assert len(epoch_losses(run.stdout, trainer)) == 10
+    assert summary["trainers"] == 2 and summary["backend"] == "gloo"
+    assert summary["iterations_per_trainer"] == {"trainer0": 100, "trainer1": 100}
+    assert summary["wall_seconds"] > 0
+
+
+def test_spawn_all_learned(two_trainers):
+    run, summary = two_trainers
+    for trainer in ("trainer0", "trainer1"):
+        losses = epoch_losses(run.stdout, trainer)
+        assert losses[-1] < 0.5 * losses[0] and losses[-1] < 1.0, losses  # chance is 2.08
+        assert summary["first_loss"][trainer] == pytest.approx(losses[0], abs=1e-4)
+        assert summary["last_loss"][trainer] == pytest.approx(losses[-1], abs=1e-4)
+
+
+def test_spawn_all_trained_both_halves(two_trainers):
+    """DDP kept the two replicas of the dense layer identical, and the table on ps moved."""
+    run, summary = two_trainers
+    assert "Dense layer weights identical on trainer0, trainer1: yes" in run.stdout
+    assert "Embedding table on ps changed: yes" in run.stdout
+    assert summary["dense_weights_identical"] is True
+    assert summary["embedding_table_changed"] is True
+    assert summary["embedding_table_max_change"] > 0.01
+
+
+def test_ranks_as_separate_commands_highest_rank_first(tmp_path, runs):
+    common = ["--world_size", 3, "--master_port", find_free_port(), "--epochs", 3]
+    ps = runs.start("ddp_rpc_hybrid", *common, "--rank", 2)
+    master = runs.start("ddp_rpc_hybrid", *common, "--rank", 1,
+                        "--summary_json", tmp_path / "summary.json")
+    trainer = runs.start("ddp_rpc_hybrid", *common, "--rank", 0)
+    for run in (trainer, master, ps):
+        run.wait(timeout=120)
+        assert run.returncode == 0, run.output
+        assert not run.leftovers()
+    assert len(epoch_losses(trainer.stdout, "trainer0")) == 3
+    assert "Embedding table on ps changed: yes" in master.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 3 and summary["iterations_per_trainer"] == {"trainer0": 30}
+    assert summary["dense_weights_identical"] and summary["embedding_table_changed"]
