@@ -43,6 +43,14 @@ EXAMPLES = {
         working=r"^Rank 1 training batch",
         bad_inputs=[(["--num_gpus", "3"], "must be 0, 1 or 2"),
                     (["--data_dir", "/nonexistent"], "no such folder")]),
+    "rnn_model_parallel": Example(
+        name="rnn_model_parallel", world_size=2,
+        quick=["--epochs", 1, "--max_batches", 20],
+        endless=["--epochs", 100000],
+        roles={0: "ps", 1: "trainer"},
+        working=r"^Training epoch 0",
+        bad_inputs=[(["--corpus", "/nonexistent/corpus.txt"], "cannot read it"),
+                    (["--dropout", "1.5"], "--dropout")]),
     "ddp_rpc_hybrid": Example(
         name="ddp_rpc_hybrid", world_size=3,
         quick=["--epochs", 2],
