@@ -33,6 +33,13 @@ run: $(VENV)/.run-installed
 	@$(PY) param_server/main.py --dataset mnist $(PS_TOUR) || { test $$? -eq 2 && \
 	  echo "== param_server: MNIST unavailable, using --dataset synthetic" && \
 	  $(PY) param_server/main.py --dataset synthetic $(PS_TOUR); }
+	@echo "== rnn_model_parallel: embedding table and decoder on ps, LSTM on the trainer"
+	@$(PY) rnn_model_parallel/main.py --epochs 5
+	@echo "== rnn_model_parallel: the same model as a word-level language model on a text"
+	@$(PY) rnn_model_parallel/main.py --corpus rnn_model_parallel/README.md --emsize 64 \
+	  --nhid 64 --bptt 35 --batch_size 20 --epochs 5
+	@echo "== ddp_rpc_hybrid: 2 trainers under DDP, a master, an EmbeddingBag on ps"
+	@$(PY) ddp_rpc_hybrid/main.py --epochs 20
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
