@@ -33,6 +33,9 @@ run: $(VENV)/.run-installed
 	@$(PY) param_server/main.py --dataset mnist $(PS_TOUR) || { test $$? -eq 2 && \
 	  echo "== param_server: MNIST unavailable, using --dataset synthetic" && \
 	  $(PY) param_server/main.py --dataset synthetic $(PS_TOUR); }
+	@echo "== rl_cartpole: an agent and 1 observer, then 2 observers with batched actions"
+	@$(PY) rl_cartpole/main.py --max_episodes 30 --log_interval 10
+	@$(PY) rl_cartpole/main.py --world_size 3 --batch --max_episodes 20 --log_interval 10
 	@echo "== rnn_model_parallel: embedding table and decoder on ps, LSTM on the trainer"
 	@$(PY) rnn_model_parallel/main.py --epochs 5
 	@echo "== rnn_model_parallel: the same model as a word-level language model on a text"

@@ -43,6 +43,14 @@ EXAMPLES = {
         working=r"^Rank 1 training batch",
         bad_inputs=[(["--num_gpus", "3"], "must be 0, 1 or 2"),
                     (["--data_dir", "/nonexistent"], "no such folder")]),
+    "rl_cartpole": Example(
+        name="rl_cartpole", world_size=2,
+        quick=["--max_episodes", 5],
+        endless=["--max_episodes", 100000, "--log_interval", 1],
+        roles={0: "agent", 1: "observer1"},
+        working=r"^Episode 1\t",
+        bad_inputs=[(["--gamma", "1.5"], "from 0 to 1"),
+                    (["--max_episodes", "0"], "must be at least 1")]),
     "rnn_model_parallel": Example(
         name="rnn_model_parallel", world_size=2,
         quick=["--epochs", 1, "--max_batches", 20],

@@ -1,0 +1,281 @@
+import json
+import math
+import os
+import re
+import socket
+from types import SimpleNamespace
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+from conftest import find_free_port, load_example, run_example
+
+rl = load_example("rl_cartpole")
+
+
+# --------- Pure logic, in-process --------------------
+
+def test_returns_are_discounted_then_normalised():
+    # gamma 0.5, three rewards of 1: R = 1 + 0.5 * (1 + 0.5 * 1) = 1.75, then 1.5, then 1.
+    # Mean 17/12, sample deviation sqrt(7/48): normalised (1/3, 1/12, -5/12) / sqrt(7/48).
+    returns = rl.discounted_returns([[1.0, 1.0, 1.0]], gamma=0.5, eps=0.0)
+    deviation = math.sqrt(7 / 48)
+    expected = [(1 / 3) / deviation, (1 / 12) / deviation, (-5 / 12) / deviation]
+    assert returns.tolist() == pytest.approx(expected, abs=1e-6)
+    assert returns.tolist() == pytest.approx([0.872872, 0.218218, -1.091089], abs=1e-6)
+
+
+def test_returns_stop_at_the_end_of_each_observers_episode():
+    # Two observers, episodes of 2 and 1 steps: returns (1.5, 1) and (1). The tutorial joined the
+    # lists first, so the first observer's returns ran on into the second's: (1.75, 1.5, 1).
+    returns = rl.discounted_returns([[1.0, 1.0], [1.0]], gamma=0.5, eps=0.0)
+    raw = torch.tensor([1.5, 1.0, 1.0])
+    assert torch.allclose(returns, (raw - raw.mean()) / raw.std())
+
+
+def test_returns_undiscounted_count_the_steps_left():
+    returns = rl.discounted_returns([[1.0] * 4], gamma=1.0, eps=0.0)
+    raw = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    assert torch.allclose(returns, (raw - raw.mean()) / raw.std())
+
+
+@pytest.mark.parametrize("batch, gpu_count, expected", [
+    (False, 0, "cpu"), (False, 2, "cpu"), (True, 0, "cpu"), (True, 1, "cuda:0"),
+    (True, 4, "cuda:0"),
+])
+def test_device_choice_follows_the_tutorials(batch, gpu_count, expected):
+    assert str(rl.choose_device(batch, gpu_count)) == expected
+
+
+def test_each_observer_seeds_its_environment_from_the_seed_and_its_rank(monkeypatch):
+    def observer(rank, seed):
+        monkeypatch.setattr(rl.rpc, "get_worker_info", lambda: SimpleNamespace(id=rank))
+        return rl.Observer(seed)
+
+    first = observer(1, seed=7).reset()
+    assert np.array_equal(first, gym.make("CartPole-v1").reset(seed=8)[0])
+    assert np.array_equal(first, observer(1, seed=7).reset())  # repeatable
+    assert not np.array_equal(first, observer(2, seed=7).reset())  # another observer
+    assert not np.array_equal(first, observer(1, seed=8).reset())  # another seed
+    again = observer(1, seed=7)
+    again.reset()
+    assert not np.array_equal(first, again.reset())  # later episodes are not replays
+
+
+# --------- The batching agent, in-process over a one-worker RPC world --------------------
+
+class CountingPolicy(torch.nn.Module):
+    """Stands in for Policy: action 1 for a state whose first value is positive, else 0, with
+    certainty; records the batch of every forward pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches = []
+
+    def forward(self, states):
+        self.batches.append(states.clone())
+        right = (states[:, 0] > 0).float()
+        return torch.stack([1 - right, right], dim=1)
+
+
+# init_rpc's own deprecation warning (see KNOWN_HARMLESS_WARNINGS in main.py).
+in_rpc_world = pytest.mark.filterwarnings("ignore:.*as a ProcessGroup. This usage is deprecated")
+
+
+@pytest.fixture(scope="module")
+def rpc_world():
+    """This test process as the only worker, named like the agent, listening on loopback."""
+    saved = {name: os.environ.get(name) for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
+    os.environ["TP_SOCKET_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    # TCP only: TensorPipe's shared-memory transport keeps a thread polling, at full speed, for
+    # as long as RPC is up in this process, which would slow down the tests that come after.
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{find_free_port()}", rpc_timeout=20, _transports=["uv"])
+    rpc.init_rpc(rl.AGENT_NAME, rank=0, world_size=1, rpc_backend_options=options)
+    yield
+    rpc.shutdown()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture
+def batching_agent(rpc_world):
+    """An agent in --batch mode at the start of an episode of three observers (ids 1, 2, 3)."""
+    agent = rl.Agent(world_size=1, seed=1, gamma=0.99, batch=True)
+    agent.policy = CountingPolicy()
+    for ob_id in (1, 2, 3):
+        agent.rewards[ob_id], agent.saved_log_probs[ob_id] = [], []
+    agent.playing = 3
+    return agent
+
+
+def ask_for_action(ob_id, first_value):
+    """What observer `ob_id` sends in --batch mode, from this process."""
+    state = np.array([first_value, 0.0, 0.0, 0.0], dtype=np.float32)
+    return rpc.rpc_async(rl.AGENT_NAME, rl.Agent.select_action_batch, args=(ob_id, state))
+
+
+@in_rpc_world
+def test_one_forward_pass_answers_every_observer_with_its_own_action(batching_agent):
+    agent = batching_agent
+    first = ask_for_action(2, -1.0)
+    second = ask_for_action(1, 1.0)
+    assert not first.done() and not second.done()  # waiting for observer 3
+    last = ask_for_action(3, 0.5)
+    assert torch.futures.wait_all([first, second, last]) == [0, 1, 1]
+    (batch,) = agent.policy.batches  # one forward pass for the three states, in id order
+    assert batch[:, 0].tolist() == [1.0, -1.0, 0.5]
+    assert {ob_id: len(probs) for ob_id, probs in agent.saved_log_probs.items()} == {
+        1: 1, 2: 1, 3: 1}
+
+    # The next step is a new batch.
+    futures = [ask_for_action(ob_id, -2.0) for ob_id in (3, 1, 2)]
+    assert torch.futures.wait_all(futures) == [0, 0, 0]
+    assert len(agent.policy.batches) == 2
+
+
+@in_rpc_world
+def test_a_finished_observer_is_no_longer_waited_for(batching_agent):
+    agent = batching_agent
+    waiting = [ask_for_action(1, 1.0), ask_for_action(3, -1.0)]
+    assert not any(future.done() for future in waiting)
+    rewards = torch.futures.Future()
+    rewards.set_result([1.0, 1.0])
+    agent._observer_finished(2, rewards)  # observer 2's episode ended: act for 1 and 3 now
+    assert torch.futures.wait_all(waiting) == [1, 0]
+    assert agent.policy.batches[0][:, 0].tolist() == [1.0, -1.0]
+    assert agent.rewards[2] == [1.0, 1.0] and agent.playing == 2
+
+
+# --------- Command line, in-process --------------------
+
+def bad_input_message(capsys, argv):
+    with pytest.raises(SystemExit) as exited:
+        rl.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--world_size", "1"], "must be at least 2"),
+    (["--world_size", "0"], "must be at least 2"),
+    (["--world_size", "two"], "invalid integer"),
+    (["--rank", "2"], "outside a world of 2"),
+    (["--rank", "-1"], "must be at least 0"),
+    (["--gamma", "1.5"], "from 0 to 1"),
+    (["--gamma", "-0.1"], "from 0 to 1"),
+    (["--gamma", "nan"], "from 0 to 1"),
+    (["--max_episodes", "0"], "must be at least 1"),
+    (["--log_interval", "0"], "must be at least 1"),
+    (["--seed", "-3"], "must be at least 0"),
+    (["--master_port", "70000"], "from 1 to 65535"),
+])
+def test_bad_input_is_one_line_and_status_2(capsys, argv, expected):
+    assert expected in bad_input_message(capsys, argv)
+
+
+def test_busy_port_names_the_port_and_the_flag(capsys):
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        err = bad_input_message(capsys, ["--master_port", str(port)])
+    assert str(port) in err and "--master_port" in err
+
+
+def test_hyphenated_flags_and_torchrun_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29998")
+    args = rl.parse_args(["--max-episodes", "7", "--log-interval", "2", "--batch"])
+    assert (args.rank, args.world_size, args.master_port) == (1, 3, 29998)
+    assert (args.max_episodes, args.log_interval, args.batch, args.torchrun) == (7, 2, True, True)
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit) as exited:
+        rl.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # as one line, whatever the wrapping
+    assert exited.value.code == 0
+    for default in ("(default: 2)", "(default: 0.99)", "(default: 10)", "(default: 29500)",
+                    "(default: False)"):
+        assert default in out
+
+
+# --------- Whole runs --------------------
+
+EPISODE_LINE = re.compile(r"^Episode (\d+)\tLast reward: (\S+)\tAverage reward: (\S+)$", re.M)
+EPISODES = 25
+
+
+def episode_rewards(output):
+    return [float(last) for _, last, _ in EPISODE_LINE.findall(output)]
+
+
+@pytest.fixture(scope="module")
+def tutorial_run(tmp_path_factory):
+    """One spawn-all run of the tutorial's agent and one observer, shared by the tests below."""
+    summary = tmp_path_factory.mktemp("rl") / "summary.json"
+    run = run_example("rl_cartpole", "--max_episodes", EPISODES, "--log_interval", 1,
+                      "--master_port", find_free_port(), "--summary_json", summary, timeout=120)
+    return run, json.loads(summary.read_text()) if summary.exists() else None
+
+
+def test_spawn_all_runs_the_tutorials_episodes(tutorial_run):
+    run, summary = tutorial_run
+    assert run.returncode == 0, run.output
+    assert [int(i) for i, _, _ in EPISODE_LINE.findall(run.stdout)] == list(range(1, EPISODES + 1))
+    assert f"Stopped after {EPISODES} episodes (--max_episodes), unsolved" in run.stdout
+    assert "Solved!" not in run.stdout
+    assert summary["mode"] == "tutorial" and summary["observers"] == 1
+    assert summary["episodes"] == EPISODES and summary["solved"] is False
+    rewards = episode_rewards(run.stdout)
+    assert summary["last_reward"] == rewards[-1]
+    assert summary["env_steps"] == sum(rewards)  # one observer: its reward is its step count
+    assert summary["steps_per_second"] > 0 and summary["wall_seconds"] > 0
+
+
+def test_spawn_all_learned(tutorial_run):
+    run, summary = tutorial_run
+    rewards = episode_rewards(run.stdout)
+    first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
+    assert last > 1.5 * first, rewards  # a random policy lasts about 20 steps
+    assert summary["running_reward"] > 20, summary
+
+
+def test_ranks_as_separate_commands_repeat_the_run_exactly(tutorial_run, tmp_path, runs):
+    """The observer started before the agent; with one observer the run is deterministic, so
+    it plays exactly the episodes of the spawn-all run."""
+    spawned, _ = tutorial_run
+    common = ["--world_size", 2, "--master_port", find_free_port(), "--max_episodes", EPISODES,
+              "--log_interval", 1]
+    observer = runs.start("rl_cartpole", *common, "--rank", 1)
+    agent = runs.start("rl_cartpole", *common, "--rank", 0)
+    for run in (agent, observer):
+        run.wait(timeout=120)
+        assert run.returncode == 0, run.output
+        assert not run.leftovers()
+    assert EPISODE_LINE.findall(agent.stdout) == EPISODE_LINE.findall(spawned.stdout)
+    assert observer.stdout == ""
+
+
+def test_batched_agent_with_two_observers_learns(tmp_path):
+    summary_path = tmp_path / "summary.json"
+    run = run_example("rl_cartpole", "--world_size", 3, "--batch", "--max_episodes", 20,
+                      "--log_interval", 1, "--master_port", find_free_port(),
+                      "--summary_json", summary_path, timeout=120)
+    assert run.returncode == 0, run.output
+    device = "cuda:0" if torch.cuda.device_count() else "cpu"
+    assert f"Agent: batched actions for 2 observer(s), policy on {device}" in run.stdout
+    summary = json.loads(summary_path.read_text())
+    assert summary["mode"] == "batch" and summary["observers"] == 2
+    assert summary["episodes"] == 20 and summary["solved"] is False
+    rewards = episode_rewards(run.stdout)  # the shorter of the two episodes, each time
+    assert np.mean(rewards[-8:]) > 1.5 * np.mean(rewards[:8]), rewards
+    assert summary["env_steps"] >= 2 * sum(rewards)
