@@ -16,6 +16,7 @@ See README.md beside this file for what differs from the tutorial, and `--help` 
 """
 
 import argparse
+import ctypes
 import datetime
 import fcntl
 import ipaddress
@@ -23,6 +24,7 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import struct
 import sys
@@ -342,8 +344,11 @@ def init_rpc_with_timeout(name, rank, world_size, args):
         # --master_addr only (see _listen_for_rendezvous). Under torchrun, torchrun hosts it.
         if rank == 0 and not args.torchrun:
             _listen_for_rendezvous(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        # --rpc_transport tcp: TensorPipe's TCP transport ("uv") only, no shared memory.
+        transports = ["uv"] if args.rpc_transport == "tcp" else None
         options = rpc.TensorPipeRpcBackendOptions(init_method="env://",
-                                                  rpc_timeout=args.rpc_timeout)
+                                                  rpc_timeout=args.rpc_timeout,
+                                                  _transports=transports)
         rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
     except Exception as err:  # noqa: BLE001 - any failure to join ends this rank with one line
         _exit(f"{name}: could not join the other ranks at {os.environ['MASTER_ADDR']}:"
@@ -471,7 +476,7 @@ def _ipv4_address(interface):
 def spawn_all(args):
     """Start every rank on this machine and wait; if one fails, stop the others and exit 1."""
     try:
-        mp.spawn(run_rank, args=(args,), nprocs=args.world_size, join=True)
+        mp.spawn(_spawned_rank, args=(args, os.getpid()), nprocs=args.world_size, join=True)
     except mp.ProcessExitedException as err:
         how = (f"was killed by {err.signal_name}" if err.signal_name
                else f"exited with status {err.exit_code}")
@@ -479,6 +484,16 @@ def spawn_all(args):
               f"stopped the other ranks")
     except KeyboardInterrupt:
         _exit("interrupted", status=130)
+
+
+def _spawned_rank(rank, args, launcher_pid):
+    """A rank started by spawn_all. It ends with its launcher, even one killed with SIGKILL,
+    so that no rank is left running unseen (Linux; elsewhere it finishes its run)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != launcher_pid:  # the launcher was gone before prctl
+            os._exit(1)
+    run_rank(rank, args)
 
 
 # --------- Command line --------------------
@@ -518,7 +533,7 @@ positive_float.__name__ = "number (> 0)"
 port_number.__name__ = "port"
 
 
-def add_launch_arguments(parser, world_size, min_world_size, roles):
+def add_launch_arguments(parser, world_size, min_world_size, roles, rpc_transport):
     add = parser.add_argument
     add("--world_size", "--world-size", type=int_at_least(min_world_size), default=world_size,
         metavar="N", help=f"total number of processes: {roles}")
@@ -535,6 +550,11 @@ def add_launch_arguments(parser, world_size, min_world_size, roles):
         metavar="SECONDS", help="seconds to wait for every rank to join before giving up")
     add("--rpc_timeout", "--rpc-timeout", type=positive_float, default=60.0,
         metavar="SECONDS", help="seconds before an RPC without an answer fails and stops the run")
+    add("--rpc_transport", "--rpc-transport", choices=("auto", "tcp"), default=rpc_transport,
+        help="how RPC carries messages between processes of one machine: auto lets TensorPipe "
+             "use shared memory, the quickest for small messages, but each process then keeps "
+             "a thread polling it without pause, which on a small machine takes CPU time from "
+             "the work; tcp uses loopback sockets, which wait idle. Between machines, TCP")
     add("--seed", type=int_at_least(0), default=1, metavar="N", help="random seed")
     add("--summary_json", "--summary-json", default=None, metavar="PATH",
         help="write the run's figures to this JSON file at the end")
@@ -577,9 +597,10 @@ def parse_args(argv=None):
                     "--master_port and the trainers' process group for DDP on --master_port + 1; "
                     "--init_timeout bounds both, and each of DDP's allreduces.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # auto (shared memory): each iteration is a few tiny messages, latency-bound.
     add_launch_arguments(parser, world_size=4, min_world_size=3,
                          roles="N-2 trainers (ranks 0 to N-3), the master (rank N-2) and the "
-                               "parameter server ps (rank N-1)")
+                               "parameter server ps (rank N-1)", rpc_transport="auto")
     add = parser.add_argument
     add("--epochs", type=int_at_least(1), default=100, metavar="N",
         help="epochs of training on each trainer (the master's value counts)")

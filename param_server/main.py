@@ -14,12 +14,14 @@ See README.md beside this file for what differs from the tutorial, and `--help` 
 
 import argparse
 import contextlib
+import ctypes
 import fcntl
 import io
 import ipaddress
 import json
 import os
 import re
+import signal
 import socket
 import struct
 import sys
@@ -450,8 +452,11 @@ def init_rpc_with_timeout(name, rank, world_size, args):
         # --master_addr only (see _listen_for_rendezvous). Under torchrun, torchrun hosts it.
         if rank == 0 and not args.torchrun:
             _listen_for_rendezvous(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        # --rpc_transport tcp: TensorPipe's TCP transport ("uv") only, no shared memory.
+        transports = ["uv"] if args.rpc_transport == "tcp" else None
         options = rpc.TensorPipeRpcBackendOptions(init_method="env://",
-                                                  rpc_timeout=args.rpc_timeout)
+                                                  rpc_timeout=args.rpc_timeout,
+                                                  _transports=transports)
         rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
     except Exception as err:  # noqa: BLE001 - any failure to join ends this rank with one line
         _exit(f"{name}: could not join the other ranks at {os.environ['MASTER_ADDR']}:"
@@ -583,7 +588,7 @@ def _ipv4_address(interface):
 def spawn_all(args):
     """Start every rank on this machine and wait; if one fails, stop the others and exit 1."""
     try:
-        mp.spawn(run_rank, args=(args,), nprocs=args.world_size, join=True)
+        mp.spawn(_spawned_rank, args=(args, os.getpid()), nprocs=args.world_size, join=True)
     except mp.ProcessExitedException as err:
         how = (f"was killed by {err.signal_name}" if err.signal_name
                else f"exited with status {err.exit_code}")
@@ -591,6 +596,16 @@ def spawn_all(args):
               f"stopped the other ranks")
     except KeyboardInterrupt:
         _exit("interrupted", status=130)
+
+
+def _spawned_rank(rank, args, launcher_pid):
+    """A rank started by spawn_all. It ends with its launcher, even one killed with SIGKILL,
+    so that no rank is left running unseen (Linux; elsewhere it finishes its run)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != launcher_pid:  # the launcher was gone before prctl
+            os._exit(1)
+    run_rank(rank, args)
 
 
 # --------- Command line --------------------
@@ -630,7 +645,7 @@ positive_float.__name__ = "number (> 0)"
 port_number.__name__ = "port"
 
 
-def add_launch_arguments(parser, world_size, min_world_size, roles):
+def add_launch_arguments(parser, world_size, min_world_size, roles, rpc_transport):
     add = parser.add_argument
     add("--world_size", "--world-size", type=int_at_least(min_world_size), default=world_size,
         metavar="N", help=f"total number of processes: {roles}")
@@ -647,6 +662,11 @@ def add_launch_arguments(parser, world_size, min_world_size, roles):
         metavar="SECONDS", help="seconds to wait for every rank to join before giving up")
     add("--rpc_timeout", "--rpc-timeout", type=positive_float, default=60.0,
         metavar="SECONDS", help="seconds before an RPC without an answer fails and stops the run")
+    add("--rpc_transport", "--rpc-transport", choices=("auto", "tcp"), default=rpc_transport,
+        help="how RPC carries messages between processes of one machine: auto lets TensorPipe "
+             "use shared memory, the quickest for small messages, but each process then keeps "
+             "a thread polling it without pause, which on a small machine takes CPU time from "
+             "the work; tcp uses loopback sockets, which wait idle. Between machines, TCP")
     add("--seed", type=int_at_least(0), default=1, metavar="N", help="random seed")
     add("--summary_json", "--summary-json", default=None, metavar="PATH",
         help="write the run's figures to this JSON file at the end")
@@ -686,8 +706,11 @@ def parse_args(argv=None):
         description="Parameter-Server RPC based training: rank 0 holds the model, the other "
                     "ranks train it through RPC.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # tcp: the server's convolutions need every core, and its messages are few and large, so
+    # the shared-memory transport's polling threads cost far more than they save (bench/).
     add_launch_arguments(parser, world_size=4, min_world_size=2,
-                         roles="the parameter server (rank 0) and the trainers")
+                         roles="the parameter server (rank 0) and the trainers",
+                         rpc_transport="tcp")
     add = parser.add_argument
     add("--num_gpus", "--num-gpus", type=int_at_least(0), default=0, metavar="N",
         help="GPUs for the model on the parameter server: 0, 1 (cuda:0), or 2 (convs on "

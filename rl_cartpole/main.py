@@ -17,11 +17,13 @@ See README.md beside this file for what differs from the tutorial, and `--help` 
 """
 
 import argparse
+import ctypes
 import fcntl
 import ipaddress
 import json
 import os
 import re
+import signal
 import socket
 import struct
 import sys
@@ -423,8 +425,11 @@ def init_rpc_with_timeout(name, rank, world_size, args):
         # --master_addr only (see _listen_for_rendezvous). Under torchrun, torchrun hosts it.
         if rank == 0 and not args.torchrun:
             _listen_for_rendezvous(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        # --rpc_transport tcp: TensorPipe's TCP transport ("uv") only, no shared memory.
+        transports = ["uv"] if args.rpc_transport == "tcp" else None
         options = rpc.TensorPipeRpcBackendOptions(init_method="env://",
-                                                  rpc_timeout=args.rpc_timeout)
+                                                  rpc_timeout=args.rpc_timeout,
+                                                  _transports=transports)
         rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
     except Exception as err:  # noqa: BLE001 - any failure to join ends this rank with one line
         _exit(f"{name}: could not join the other ranks at {os.environ['MASTER_ADDR']}:"
@@ -552,7 +557,7 @@ def _ipv4_address(interface):
 def spawn_all(args):
     """Start every rank on this machine and wait; if one fails, stop the others and exit 1."""
     try:
-        mp.spawn(run_rank, args=(args,), nprocs=args.world_size, join=True)
+        mp.spawn(_spawned_rank, args=(args, os.getpid()), nprocs=args.world_size, join=True)
     except mp.ProcessExitedException as err:
         how = (f"was killed by {err.signal_name}" if err.signal_name
                else f"exited with status {err.exit_code}")
@@ -560,6 +565,16 @@ def spawn_all(args):
               f"stopped the other ranks")
     except KeyboardInterrupt:
         _exit("interrupted", status=130)
+
+
+def _spawned_rank(rank, args, launcher_pid):
+    """A rank started by spawn_all. It ends with its launcher, even one killed with SIGKILL,
+    so that no rank is left running unseen (Linux; elsewhere it finishes its run)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != launcher_pid:  # the launcher was gone before prctl
+            os._exit(1)
+    run_rank(rank, args)
 
 
 # --------- Command line --------------------
@@ -599,7 +614,7 @@ positive_float.__name__ = "number (> 0)"
 port_number.__name__ = "port"
 
 
-def add_launch_arguments(parser, world_size, min_world_size, roles):
+def add_launch_arguments(parser, world_size, min_world_size, roles, rpc_transport):
     add = parser.add_argument
     add("--world_size", "--world-size", type=int_at_least(min_world_size), default=world_size,
         metavar="N", help=f"total number of processes: {roles}")
@@ -616,6 +631,11 @@ def add_launch_arguments(parser, world_size, min_world_size, roles):
         metavar="SECONDS", help="seconds to wait for every rank to join before giving up")
     add("--rpc_timeout", "--rpc-timeout", type=positive_float, default=60.0,
         metavar="SECONDS", help="seconds before an RPC without an answer fails and stops the run")
+    add("--rpc_transport", "--rpc-transport", choices=("auto", "tcp"), default=rpc_transport,
+        help="how RPC carries messages between processes of one machine: auto lets TensorPipe "
+             "use shared memory, the quickest for small messages, but each process then keeps "
+             "a thread polling it without pause, which on a small machine takes CPU time from "
+             "the work; tcp uses loopback sockets, which wait idle. Between machines, TCP")
     add("--seed", type=int_at_least(0), default=1, metavar="N", help="random seed")
     add("--summary_json", "--summary-json", default=None, metavar="PATH",
         help="write the run's figures to this JSON file at the end")
@@ -666,8 +686,9 @@ def parse_args(argv=None):
                     "policy on CartPole-v1 with the episodes that the other ranks, the "
                     "observers, play through RPC.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # auto (shared memory): a step is two tiny messages, so their latency is what counts.
     add_launch_arguments(parser, world_size=2, min_world_size=2,
-                         roles="the agent (rank 0) and the observers")
+                         roles="the agent (rank 0) and the observers", rpc_transport="auto")
     add = parser.add_argument
     add("--batch", action="store_true",
         help="answer all observers' requests for an action with one forward pass of the policy "

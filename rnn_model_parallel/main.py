@@ -17,12 +17,14 @@ See README.md beside this file for what differs from the tutorial, and `--help` 
 """
 
 import argparse
+import ctypes
 import fcntl
 import ipaddress
 import json
 import math
 import os
 import re
+import signal
 import socket
 import struct
 import sys
@@ -400,8 +402,11 @@ def init_rpc_with_timeout(name, rank, world_size, args):
         # --master_addr only (see _listen_for_rendezvous). Under torchrun, torchrun hosts it.
         if rank == 0 and not args.torchrun:
             _listen_for_rendezvous(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        # --rpc_transport tcp: TensorPipe's TCP transport ("uv") only, no shared memory.
+        transports = ["uv"] if args.rpc_transport == "tcp" else None
         options = rpc.TensorPipeRpcBackendOptions(init_method="env://",
-                                                  rpc_timeout=args.rpc_timeout)
+                                                  rpc_timeout=args.rpc_timeout,
+                                                  _transports=transports)
         rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
     except Exception as err:  # noqa: BLE001 - any failure to join ends this rank with one line
         _exit(f"{name}: could not join the other ranks at {os.environ['MASTER_ADDR']}:"
@@ -529,7 +534,7 @@ def _ipv4_address(interface):
 def spawn_all(args):
     """Start every rank on this machine and wait; if one fails, stop the others and exit 1."""
     try:
-        mp.spawn(run_rank, args=(args,), nprocs=args.world_size, join=True)
+        mp.spawn(_spawned_rank, args=(args, os.getpid()), nprocs=args.world_size, join=True)
     except mp.ProcessExitedException as err:
         how = (f"was killed by {err.signal_name}" if err.signal_name
                else f"exited with status {err.exit_code}")
@@ -537,6 +542,16 @@ def spawn_all(args):
               f"stopped the other ranks")
     except KeyboardInterrupt:
         _exit("interrupted", status=130)
+
+
+def _spawned_rank(rank, args, launcher_pid):
+    """A rank started by spawn_all. It ends with its launcher, even one killed with SIGKILL,
+    so that no rank is left running unseen (Linux; elsewhere it finishes its run)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != launcher_pid:  # the launcher was gone before prctl
+            os._exit(1)
+    run_rank(rank, args)
 
 
 # --------- Command line --------------------
@@ -576,7 +591,7 @@ positive_float.__name__ = "number (> 0)"
 port_number.__name__ = "port"
 
 
-def add_launch_arguments(parser, world_size, min_world_size, roles):
+def add_launch_arguments(parser, world_size, min_world_size, roles, rpc_transport):
     add = parser.add_argument
     add("--world_size", "--world-size", type=int_at_least(min_world_size), default=world_size,
         metavar="N", help=f"total number of processes: {roles}")
@@ -593,6 +608,11 @@ def add_launch_arguments(parser, world_size, min_world_size, roles):
         metavar="SECONDS", help="seconds to wait for every rank to join before giving up")
     add("--rpc_timeout", "--rpc-timeout", type=positive_float, default=60.0,
         metavar="SECONDS", help="seconds before an RPC without an answer fails and stops the run")
+    add("--rpc_transport", "--rpc-transport", choices=("auto", "tcp"), default=rpc_transport,
+        help="how RPC carries messages between processes of one machine: auto lets TensorPipe "
+             "use shared memory, the quickest for small messages, but each process then keeps "
+             "a thread polling it without pause, which on a small machine takes CPU time from "
+             "the work; tcp uses loopback sockets, which wait idle. Between machines, TCP")
     add("--seed", type=int_at_least(0), default=1, metavar="N", help="random seed")
     add("--summary_json", "--summary-json", default=None, metavar="PATH",
         help="write the run's figures to this JSON file at the end")
@@ -649,8 +669,9 @@ def parse_args(argv=None):
                     "word-level language model of a text file; sizes that work there: "
                     "--emsize 64 --nhid 64 --bptt 35 --batch_size 20 --epochs 5.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # auto (shared memory): the tiny model's iterations are small messages, latency-bound.
     add_launch_arguments(parser, world_size=2, min_world_size=2,
-                         roles="ps (rank 0) and the trainers")
+                         roles="ps (rank 0) and the trainers", rpc_transport="auto")
     add = parser.add_argument
     add("--corpus", default=None, metavar="PATH",
         help="train a word-level language model on this plain-text file (UTF-8; vocabulary "
