@@ -20,6 +20,7 @@ import io
 import ipaddress
 import json
 import os
+import platform
 import re
 import signal
 import socket
@@ -176,6 +177,19 @@ class ParameterServer(nn.Module):
         return param_rrefs
 
 
+def keep_freed_memory():
+    """Have malloc keep the memory that the server frees, for the next batch. glibc gives large
+    freed blocks back to the system, and with the forward and backward passes running on RPC's
+    threads, each with a malloc arena of its own, the server then faulted in the pages of every
+    batch's activations afresh: a million page faults in 100 batches, a fifth of its time.
+    Linux with glibc only; elsewhere this does nothing."""
+    if platform.libc_ver()[0] != "glibc":
+        return
+    libc = ctypes.CDLL(None)
+    libc.mallopt(-3, 32 * 2**20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB (the most) from arenas
+    libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD: give memory back only above 1 GiB free
+
+
 # The global parameter server instance.
 param_server = None
 # A lock to ensure we only have one parameter server.
@@ -199,6 +213,7 @@ def run_parameter_server(rank, world_size, args):
     # for every trainer to report that it is done, noticing on the way if one dies.
     started = time.perf_counter()
     torch.manual_seed(args.seed)
+    keep_freed_memory()
     print("PS master initializing RPC")
     init_rpc_with_timeout("parameter_server", rank, world_size, args)
     print("RPC initialized! Running parameter server...")
