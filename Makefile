@@ -44,5 +44,11 @@ run: $(VENV)/.run-installed
 	@echo "== ddp_rpc_hybrid: 2 trainers under DDP, a master, an EmbeddingBag on ps"
 	@$(PY) ddp_rpc_hybrid/main.py --epochs 20
 
+# bench/RESULTS.md and bench/ratios.png: RPC against one process, side by side (8-9 minutes on
+# 2 cores; QUICK=1: one shorter repetition, under 2 minutes). SOLVE=1: instead, rl_cartpole
+# trained until solved, two ways, into bench/SOLVE.md (about 8 minutes).
+bench: $(VENV)/.dev-installed
+	$(PY) bench/bench.py $(if $(QUICK),--quick) $(if $(SOLVE),--solve)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,168 @@
+"""The single-process baselines: each example's own model (imported from its main.py) trained,
+or played, in one process with no RPC, with the same data, batch sizes, optimizer and thread
+count as the example. Prints one JSON object: {baseline: rate}.
+
+    python bench/baselines.py                     # every baseline
+    python bench/baselines.py rl_cartpole_1 --scale 0.5
+"""
+
+import argparse
+import importlib.util
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.distributions import Categorical
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_example(example):
+    spec = importlib.util.spec_from_file_location(f"{example}_main", ROOT / example / "main.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def param_server(batches):
+    """Net on the synthetic digits, batches of 32, SGD at 0.03, torch's default thread count
+    (as on the parameter server): samples per second."""
+    ps = load_example("param_server")
+    torch.manual_seed(1)
+    net = ps.Net(num_gpus=0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.03)
+    loader = torch.utils.data.DataLoader(ps.synthetic_digits(ps.SYNTHETIC_TRAIN_SIZE, 1),
+                                         batch_size=32, shuffle=True)
+    samples, started = 0, time.perf_counter()
+    for i, (data, target) in enumerate(loader):
+        if i >= batches:
+            break
+        opt.zero_grad()
+        F.nll_loss(net(data), target).backward()
+        opt.step()
+        samples += len(data)
+    return samples / (time.perf_counter() - started)
+
+
+def rl_cartpole(episodes, environments):
+    """The agent's policy and training, on `environments` CartPole environments stepped in this
+    process: one forward pass a step for all the environments still playing (as --batch does;
+    with one environment, as the tutorial does), one update an episode. Seeded as rl_cartpole
+    seeds agent and observers, so one environment plays the same episodes as a run with one
+    observer. One thread, as the agent. Environment steps per second."""
+    import gymnasium as gym
+
+    rl = load_example("rl_cartpole")
+    torch.set_num_threads(1)
+    torch.manual_seed(1)
+    policy = rl.Policy()
+    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
+    eps = np.finfo(np.float32).eps.item()
+    envs = [gym.make("CartPole-v1") for _ in range(environments)]
+    seeds = [1 + rank for rank in range(1, environments + 1)]  # seed + observer rank
+    steps, started = 0, time.perf_counter()
+    for _ in range(episodes):
+        states = {i: env.reset(seed=seeds[i])[0] for i, env in enumerate(envs)}
+        seeds = [None] * environments
+        rewards = {i: [] for i in states}
+        log_probs = {i: [] for i in states}
+        for _ in range(rl.TOTAL_EPISODE_STEP):
+            playing = sorted(states)
+            batch = torch.from_numpy(np.stack([states[i] for i in playing])).float()
+            m = Categorical(policy(batch))
+            actions = m.sample()
+            all_log_probs = m.log_prob(actions)
+            for row, i in enumerate(playing):
+                log_probs[i].append(all_log_probs[row:row + 1])
+                state, reward, terminated, truncated, _ = envs[i].step(actions[row].item())
+                rewards[i].append(reward)
+                states[i] = state
+                if terminated or truncated:
+                    del states[i]
+            if not states:
+                break
+        returns = rl.discounted_returns(list(rewards.values()), 0.99, eps)
+        loss = torch.cat([-log_prob * R for log_prob, R in zip(
+            [p for i in rewards for p in log_probs[i]], returns, strict=True)]).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        steps += len(returns)
+    return steps / (time.perf_counter() - started)
+
+
+def rnn_model_parallel(epochs):
+    """The three parts of RNNModel in one process, on the synthetic task with the example's
+    default sizes and SGD at its default rate: iterations per second."""
+    rnn = load_example("rnn_model_parallel")
+    torch.manual_seed(1)
+    ntoken, emsize, nhid, batch_size, bptt = rnn.SYNTHETIC_NTOKEN, 2, 3, 3, 5
+    table, lstm = rnn.EmbeddingTable(ntoken, emsize, 0.0), torch.nn.LSTM(emsize, nhid, 1)
+    decoder = rnn.Decoder(ntoken, nhid, 0.0)
+    params = [*table.parameters(), *lstm.parameters(), *decoder.parameters()]
+    opt = torch.optim.SGD(params, lr=1.0)
+    source = rnn.batchify(rnn.synthetic_tokens(rnn.SYNTHETIC_TOKENS, ntoken, 1), batch_size)
+    hidden = (torch.randn(1, batch_size, nhid), torch.randn(1, batch_size, nhid))
+    iterations, started = 0, time.perf_counter()
+    for _ in range(epochs):
+        for data, target in rnn.get_next_batch(source, bptt):
+            hidden = (hidden[0].detach(), hidden[1].detach())
+            output, hidden = lstm(table(data), hidden)
+            loss = F.cross_entropy(decoder(output).view(-1, ntoken), target.view(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            iterations += 1
+    return iterations / (time.perf_counter() - started)
+
+
+def ddp_rpc_hybrid(batches):
+    """EmbeddingBag(sum) and Linear(16, 8) on the example's batches, SGD at its rate:
+    iterations per second."""
+    hybrid = load_example("ddp_rpc_hybrid")
+    torch.manual_seed(1)
+    table = torch.nn.EmbeddingBag(hybrid.NUM_EMBEDDINGS, hybrid.EMBEDDING_DIM, mode="sum")
+    dense = torch.nn.Linear(hybrid.EMBEDDING_DIM, hybrid.NUM_CLASSES)
+    opt = torch.optim.SGD([*table.parameters(), *dense.parameters()], lr=hybrid.LEARNING_RATE)
+    batches = list(hybrid.get_next_batch(random.Random(1), batches, torch.device("cpu")))
+    started = time.perf_counter()
+    for indices, offsets, target in batches:
+        opt.zero_grad()
+        F.cross_entropy(dense(table(indices, offsets)), target).backward()
+        opt.step()
+    return len(batches) / (time.perf_counter() - started)
+
+
+def baselines(scale):
+    """{name: (function, its argument)}, each sized to last a second or two at scale 1."""
+    return {
+        "param_server": (param_server, max(1, round(60 * scale))),
+        "rl_cartpole_1": (lambda episodes: rl_cartpole(episodes, 1), max(1, round(40 * scale))),
+        "rl_cartpole_4": (lambda episodes: rl_cartpole(episodes, 4), max(1, round(30 * scale))),
+        "rnn_model_parallel": (rnn_model_parallel, max(1, round(3 * scale))),
+        "ddp_rpc_hybrid": (ddp_rpc_hybrid, max(1, round(300 * scale))),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="baselines to run (default: all)")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies every length")
+    args = parser.parse_args()
+    chosen = baselines(args.scale)
+    results = {}
+    for name in args.names or chosen:
+        function, length = chosen[name]
+        threads = torch.get_num_threads()
+        results[name] = function(length)
+        torch.set_num_threads(threads)  # rl_cartpole sets 1, as the agent does
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,479 @@
+"""`make bench`: what RPC costs in these examples, as ratios measured side by side in one run.
+
+Every comparison runs its variants in turn (A, B, C, A, B, C, ...), so that the noise of a busy
+machine falls on all of them alike; each figure is the median of the repetitions, with min and
+max. While an example trains, the CPU time of its threads is read from /proc and grouped by
+thread name, which shows where the time goes. Writes bench/RESULTS.md and bench/ratios.png.
+
+    python bench/bench.py            # three repetitions and the test suite: 8-9 minutes on 2 cores
+    python bench/bench.py --quick    # one repetition of shorter runs: under 2 minutes
+    python bench/bench.py --solve    # rl_cartpole until solved, two ways: bench/SOLVE.md
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+PY = sys.executable
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --------- Running an example and reading its threads' CPU time --------------------
+
+def _session_pids(session):
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:  # the process just ended
+            continue
+        if int(stat[stat.rindex(")") + 2:].split()[3]) == session:
+            pids.append(pid)
+    return pids
+
+
+def _threads(pids):
+    """{tid: (thread name, CPU ticks used so far)} of every thread of the processes `pids`."""
+    threads = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # the process ended
+            continue
+        for tid in tids:
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            threads[tid] = (name, int(fields[11]) + int(fields[12]))  # utime + stime
+    return threads
+
+
+@dataclass
+class Result:
+    summary: dict
+    cores_by_thread: Counter  # thread name -> cores busy on average while it trained
+
+
+def run_example(cmd, start, end, timeout=900):
+    """Run an example (its command may hold {port} and {summary}); return its --summary_json
+    and the CPU its threads used between the first output line matching `start` and the first
+    matching `end`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        summary, log = Path(tmp) / "summary.json", Path(tmp) / "output.log"
+        cmd = [str(part).replace("{summary}", str(summary)).replace("{port}", str(free_port()))
+               for part in cmd]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                    start_new_session=True)
+        first = last = None
+        pids = []
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                raise RuntimeError(f"{' '.join(cmd)} took more than {timeout} s")
+            output = log.read_text()
+            if first is None and re.search(start, output, re.M):
+                first = (time.monotonic(), _threads(pids))
+            elif first is None:  # starting: find its processes (a scan too slow for later)
+                pids = _session_pids(proc.pid)
+            elif not re.search(end, output, re.M):
+                last = (time.monotonic(), _threads(pids))
+            time.sleep(0.2)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{log.read_text()[-3000:]}")
+        cores = Counter()
+        if first and last and last[0] > first[0]:
+            seconds = last[0] - first[0]
+            for tid, (name, ticks) in last[1].items():
+                cores[name] += (ticks - first[1].get(tid, (name, 0))[1]) / TICKS / seconds
+        return Result(json.loads(summary.read_text()), cores)
+
+
+def example(name, *flags):
+    return [PY, ROOT / name / "main.py", "--master_port", "{port}", "--summary_json",
+            "{summary}", *flags]
+
+
+# --------- Comparisons --------------------
+
+@dataclass
+class Variant:
+    label: str
+    cmd: list = None  # None: the single-process baseline, read from baselines.py's output
+    rate: object = None  # summary -> rate
+    window: tuple = ()  # (start, end) output patterns of the training, for the CPU profile
+    detail: bool = False  # left out of --quick runs
+    values: list = field(default_factory=list)
+    cores: list = field(default_factory=list)
+
+    @property
+    def median(self):
+        return statistics.median(self.values)
+
+    def median_cores(self):
+        names = {name for run in self.cores for name in run}
+        return {name: statistics.median(run.get(name, 0.0) for run in self.cores)
+                for name in names}
+
+
+@dataclass
+class Comparison:
+    key: str  # the baseline's name in baselines.py
+    title: str
+    unit: str
+    variants: list
+
+    def ratios(self):
+        base = self.variants[0].median
+        return [(variant, variant.median / base) for variant in self.variants]
+
+    def find(self, label):
+        return next((variant for variant in self.variants if variant.label == label), None)
+
+
+def param_server_as_before(folder):
+    """param_server/main.py without this repository's fast paths, for the "before" variants:
+    the same file with glibc's default malloc behaviour (no keep_freed_memory()). Run it with
+    --rpc_transport auto for the RPC agent's default transports too."""
+    text = (ROOT / "param_server" / "main.py").read_text()
+    call = "    keep_freed_memory()\n"
+    assert text.count(call) == 1, "param_server/main.py no longer calls keep_freed_memory()"
+    path = Path(folder) / "param_server_before.py"
+    path.write_text(text.replace(call, ""))
+    return path
+
+
+def comparisons(quick, folder):
+    short = 0.5 if quick else 1.0
+    ps_batches, rl_episodes, rl_episodes_4 = round(60 * short), round(40 * short), round(25 * short)
+    samples = lambda s: s["samples_per_second"]  # noqa: E731
+    steps = lambda s: s["steps_per_second"]  # noqa: E731
+    rnn_rate = lambda s: s["iterations"] / s["train_seconds"]  # noqa: E731
+    ddp_rate = lambda s: s["iterations_per_trainer"]["trainer0"] / s["train_seconds"]  # noqa: E731
+    ps_window = (r"training batch 0 loss", r"^Training complete!")
+    rl_window = (r"^Agent: ", r"^(Stopped after|Solved!)")
+    rnn_epochs = 2 if quick else 3
+    rnn_window = (r"^Embedding table on ps", rf"^Training epoch {rnn_epochs - 1} ")
+    ddp_epochs = 15 if quick else 30
+    ddp_window = (r"^Training done for epoch 0 ", r"^Dense layer")
+    one_trainer = ("--world_size", 2, "--dataset", "synthetic", "--max_batches", ps_batches)
+    before = [PY, param_server_as_before(folder), "--master_port", "{port}", "--summary_json",
+              "{summary}", "--data_dir", ROOT / "data", *one_trainer]
+    all_comparisons = [
+        Comparison("param_server", "param_server: training throughput", "samples/s", [
+            Variant("one process"),
+            Variant("1 trainer", example("param_server", *one_trainer), samples, ps_window),
+            Variant("1 trainer, before (shared memory, freed memory returned)",
+                    [*before, "--rpc_transport", "auto"], samples, ps_window),
+            Variant("1 trainer, before (TCP, freed memory returned)",
+                    [*before, "--rpc_transport", "tcp"], samples, ps_window, detail=True),
+            Variant("3 trainers",
+                    example("param_server", "--world_size", 4, "--dataset", "synthetic",
+                            "--max_batches", ps_batches // 3), samples, ps_window),
+        ]),
+        Comparison("rl_cartpole_1", "rl_cartpole, 1 observer: environment steps", "steps/s", [
+            Variant("one process, 1 environment"),
+            Variant("tutorial mode", example("rl_cartpole", "--max_episodes", rl_episodes),
+                    steps, rl_window),
+            Variant("--batch", example("rl_cartpole", "--max_episodes", rl_episodes, "--batch"),
+                    steps, rl_window),
+        ]),
+        Comparison("rl_cartpole_4", "rl_cartpole, 4 observers: environment steps", "steps/s", [
+            Variant("one process, 4 environments"),
+            Variant("tutorial mode",
+                    example("rl_cartpole", "--world_size", 5, "--max_episodes", rl_episodes_4),
+                    steps, rl_window),
+            Variant("--batch",
+                    example("rl_cartpole", "--world_size", 5, "--max_episodes", rl_episodes_4,
+                            "--batch"), steps, rl_window),
+        ]),
+        Comparison("rnn_model_parallel", "rnn_model_parallel: iterations", "it/s", [
+            Variant("one process"),
+            Variant("ps + trainer", example("rnn_model_parallel", "--epochs", rnn_epochs),
+                    rnn_rate, rnn_window),
+            Variant("ps + trainer, --rpc_transport tcp",
+                    example("rnn_model_parallel", "--epochs", rnn_epochs,
+                            "--rpc_transport", "tcp"), rnn_rate, rnn_window, detail=True),
+        ]),
+        Comparison("ddp_rpc_hybrid", "ddp_rpc_hybrid: iterations per trainer", "it/s", [
+            Variant("one process"),
+            Variant("2 trainers under DDP, master, ps",
+                    example("ddp_rpc_hybrid", "--epochs", ddp_epochs), ddp_rate, ddp_window),
+        ]),
+    ]
+    for comparison in all_comparisons:
+        comparison.variants = [v for v in comparison.variants if not (quick and v.detail)]
+    return all_comparisons
+
+
+def measure(all_comparisons, repeats, quick):
+    for rep in range(repeats):
+        print(f"== repetition {rep + 1} of {repeats}", flush=True)
+        out = subprocess.run([PY, BENCH / "baselines.py", "--scale", "0.5" if quick else "1"],
+                             cwd=ROOT, capture_output=True, text=True, check=True, timeout=600)
+        base = json.loads(out.stdout.strip().splitlines()[-1])
+        for comparison in all_comparisons:
+            for variant in comparison.variants:
+                if variant.cmd is None:
+                    variant.values.append(base[comparison.key])
+                    continue
+                began = time.perf_counter()
+                result = run_example(variant.cmd, *variant.window)
+                variant.values.append(variant.rate(result.summary))
+                variant.cores.append(result.cores_by_thread)
+                print(f"   {comparison.title}, {variant.label}: {variant.values[-1]:.1f} "
+                      f"{comparison.unit} ({time.perf_counter() - began:.0f} s)", flush=True)
+
+
+def rpc_roundtrip(repeats):
+    out = Path(tempfile.mkdtemp()) / "roundtrip.json"
+    subprocess.run([PY, BENCH / "rpc_roundtrip.py", "--repeats", str(repeats), "--port",
+                    str(free_port()), "--tcp_port", str(free_port()), "--out", str(out)],
+                   check=True, capture_output=True, timeout=600)
+    return json.loads(out.read_text())
+
+
+SOLVES = {
+    "the default command: tutorial mode, 1 observer": (),
+    "`--world_size 5 --batch`: 4 observers, batched actions": ("--world_size", 5, "--batch"),
+}
+
+
+def solve_runs():
+    """Train rl_cartpole until solved, at the default seed, each way in SOLVES."""
+    results = {}
+    for label, flags in SOLVES.items():
+        print(f"== rl_cartpole until solved, {label}", flush=True)
+        results[label] = run_example(example("rl_cartpole", *flags), r"^Agent: ",
+                                     r"^(Stopped after|Solved!)", timeout=1800).summary
+    return results
+
+
+def test_suite_seconds():
+    started = time.perf_counter()
+    subprocess.run([PY, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider"],
+                   cwd=ROOT, check=True, capture_output=True, timeout=900)
+    return time.perf_counter() - started
+
+
+# --------- Writing the results --------------------
+
+THREADS = {
+    "TP_SHM_reactor": "TensorPipe's shared-memory transport: one thread a process, polling "
+                      "without pause",
+    "TP_UV_loop": "TensorPipe's TCP transport: its event loop",
+    "pt_thread_pool": "RPC's request threads: they run the called functions (forward passes, "
+                      "`select_action`, ...) and the OpenMP threads those start",
+    "PTThreadPool": "ATen's inter-op pool, where distributed autograd runs backward passes on "
+                    "the callee, with its OpenMP threads",
+    "python": "the processes' main threads (the training loops) and their OpenMP threads",
+}
+
+
+def machine():
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+               platform.processor())
+    return (f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores; "
+            f"Python {platform.python_version()}, torch {torch.__version__}")
+
+
+def ms(rate, per=1):
+    """Milliseconds that `per` units of work take at `rate` units a second."""
+    return 1000 * per / rate
+
+
+def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, quick):
+    by_key = {comparison.key: comparison for comparison in all_comparisons}
+    ps, rl1, rl4 = by_key["param_server"], by_key["rl_cartpole_1"], by_key["rl_cartpole_4"]
+    rnn, ddp = by_key["rnn_model_parallel"], by_key["ddp_rpc_hybrid"]
+    ps_local, ps_now = ps.variants[0], ps.find("1 trainer")
+    ps_shm = ps.find("1 trainer, before (shared memory, freed memory returned)")
+    ps_tcp = ps.find("1 trainer, before (TCP, freed memory returned)")
+    rl4_tutorial, rl4_batch = rl4.find("tutorial mode"), rl4.find("--batch")
+    rnn_auto, rnn_tcp = rnn.find("ps + trainer"), rnn.find("ps + trainer, --rpc_transport tcp")
+    ddp_rpc = ddp.find("2 trainers under DDP, master, ps")
+    ps_ratio = ps_now.median / ps_local.median
+    batch_ratio = rl4_batch.median / rl4_tutorial.median
+
+    lines = [
+        "# Benchmark results", "",
+        f"Written by `make bench{' QUICK=1' if quick else ''}` on {time.strftime('%Y-%m-%d')}: "
+        f"{repeats} repetition(s), {seconds:.0f} s in all. Machine: {machine()}.", "",
+        "Each figure is the median of the repetitions, with min and max; the variants of a "
+        "measurement ran in turn, so that a noisy machine slows them alike. What is measured, "
+        "how the overheads were profiled, and what was tried: [README.md](README.md). Solving "
+        "CartPole: [SOLVE.md](SOLVE.md).", "",
+        "![Rates as fractions of one process](ratios.png)", "",
+        "## Side by side", "",
+        "| Measurement | Variant | Median | Min | Max | Ratio to the first |",
+        "|---|---|---|---|---|---|"]
+    for comparison in all_comparisons:
+        for variant, ratio in comparison.ratios():
+            lines.append(f"| {comparison.title} | {variant.label} | {variant.median:.4g} "
+                         f"{comparison.unit} | {min(variant.values):.4g} | "
+                         f"{max(variant.values):.4g} | {ratio:.2f} |")
+    lines += ["", "RPC round trip: `rpc_sync` of a function that returns its tensor argument, "
+              "against a ping-pong of the same bytes over a TCP connection between the same two "
+              "processes (the floor):", "",
+              "| Payload | TCP ping-pong | `rpc_sync` | Ratio |", "|---|---|---|---|"]
+    for size, times in roundtrip.items():
+        tcp, rpc = statistics.median(times["tcp"]), statistics.median(times["rpc"])
+        lines.append(f"| {size} | {tcp * 1e3:.3f} ms | {rpc * 1e3:.3f} ms | {rpc / tcp:.1f} |")
+    if suite_seconds is not None:
+        lines += ["", f"Test suite, `pytest -m 'not slow'`: {suite_seconds:.0f} s wall."]
+
+    after = [f"{ps_shm.median:.0f} samples/s as it was (TensorPipe's default transports, glibc "
+             "returning freed memory)"]
+    if ps_tcp:
+        after.append(f"{ps_tcp.median:.0f} over TCP (`--rpc_transport tcp`, now the default)")
+    after.append(f"{ps_now.median:.0f} over TCP with the server keeping its freed memory "
+                 "(`keep_freed_memory`), as now")
+    lines += [
+        "", "## Targets", "",
+        "| Target | Measured | |", "|---|---|---|",
+        f"| param_server, 1 trainer, at least 0.85 of one process | {ps_ratio:.2f} | "
+        f"{'met' if ps_ratio >= 0.85 else 'not met'} |",
+        f"| rl_cartpole, 4 observers, `--batch` at least 3 times tutorial mode | "
+        f"{batch_ratio:.2f} | {'met' if batch_ratio >= 3 else 'not met'} |",
+        "", "## Before and after", "",
+        f"param_server, 1 trainer: {'; '.join(after)}. "
+        f"{ps_now.median / ps_shm.median:.2f} times as fast in all: {ps_ratio:.2f} of one "
+        f"process instead of {ps_shm.median / ps_local.median:.2f}."
+        + (" The latency-bound examples keep TensorPipe's default transports: over TCP, "
+           f"rnn_model_parallel ran at {rnn_tcp.median / rnn_auto.median:.2f} times its speed "
+           "with them." if rnn_tcp else ""),
+        "", "## Where the time goes", "",
+        "CPU used while the example trained, in cores (2.00: both cores of a 2-core machine "
+        "busy all the time), by thread name, summed over the example's processes (medians of "
+        "the repetitions); threads under 0.02 left out:", ""]
+    for comparison in all_comparisons:
+        for variant in comparison.variants[1:]:
+            cores = sorted(variant.median_cores().items(), key=lambda item: -item[1])
+            shown = ", ".join(f"`{name}` {value:.2f}" for name, value in cores if value >= 0.02)
+            total = sum(value for _, value in cores)
+            lines.append(f"- {comparison.title}, {variant.label}: {total:.2f}: {shown}")
+    lines += ["", "Thread names:", ""]
+    lines += [f"- `{name}`: {text}" for name, text in THREADS.items()]
+
+    lines += [
+        "", "## What RPC costs, example by example", "",
+        f"- **param_server.** A batch of 32 takes {ms(ps_local.median, 32):.1f} ms in one "
+        f"process and {ms(ps_now.median, 32):.1f} ms with one trainer: "
+        f"{ms(ps_now.median, 32) - ms(ps_local.median, 32):.1f} ms more, for three round trips "
+        "(the forward pass, which carries 100 KB of images, the distributed backward pass, the "
+        "optimizer step) and the server's work in RPC's threads. The arithmetic is the same and "
+        "all on the server, so three trainers add little: one keeps its cores busy.",
+        f"- **rl_cartpole.** One process steps CartPole {rl1.variants[0].median:.0f} times a "
+        f"second, the tutorial's agent and one observer {rl1.find('tutorial mode').median:.0f}: "
+        "each step is two nested `rpc_sync` calls from the observer to the agent, and the "
+        "policy is so small that the calls, not the arithmetic, set the pace. `--batch` makes "
+        "it one call a step, and one forward pass for all observers: with four observers "
+        f"{rl4_batch.median:.0f} steps a second against {rl4_tutorial.median:.0f} "
+        f"({batch_ratio:.1f} times). Five processes share two cores, and most of their CPU goes "
+        "to TensorPipe's polling threads and RPC's request threads, not to the policy.",
+        f"- **rnn_model_parallel.** An iteration takes {ms(rnn.variants[0].median):.2f} ms in "
+        f"one process and {ms(rnn_auto.median):.2f} ms over RPC: two round trips to ps (the "
+        "embedding lookup, the decoder), the distributed backward pass through both, and the "
+        "optimizer step on both workers, for a model of 2 and 3 units: all latency.",
+        f"- **ddp_rpc_hybrid.** An iteration takes {ms(ddp.variants[0].median):.2f} ms in one "
+        f"process and {ms(ddp_rpc.median):.2f} ms on each of two trainers: the lookup on ps, "
+        "the distributed backward pass to ps, the optimizer step there, and DDP's allreduce "
+        "of the dense layer's gradients over Gloo, all for tensors of a few hundred floats.",
+    ]
+    (BENCH / "RESULTS.md").write_text("\n".join(lines) + "\n")
+
+
+def write_solves(solves):
+    lines = ["# Solving CartPole", "",
+             f"Written by `make bench SOLVE=1` on {time.strftime('%Y-%m-%d')}. Machine: "
+             f"{machine()}. `python rl_cartpole/main.py` at the default seed, until the running "
+             "reward passes 475:", "",
+             "| Command | Solved | Episodes | Environment steps | Training | Wall | Steps/s |",
+             "|---|---|---|---|---|---|---|"]
+    for label, s in solves.items():
+        lines.append(f"| {label} | {'yes' if s['solved'] else 'no'} | {s['episodes']} | "
+                     f"{s['env_steps']} | {s['training_seconds']:.0f} s | "
+                     f"{s['wall_seconds']:.0f} s | {s['steps_per_second']:.0f} |")
+    lines += ["", "With one observer a run is repeatable: the same episodes every time. With four, "
+              "batched runs drift apart after some tens of episodes (see rl_cartpole/README.md), "
+              "so the episodes to solve vary from run to run."]
+    (BENCH / "SOLVE.md").write_text("\n".join(lines) + "\n")
+
+
+def write_chart(all_comparisons):
+    """One bar per variant: its rate as a fraction of the same work in one process."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [(f"{c.title.split(':')[0]}: {variant.label}", ratio) for c in all_comparisons
+            for variant, ratio in c.ratios()[1:]]
+    fig, ax = plt.subplots(figsize=(10, 0.4 * len(bars) + 1.4))
+    ax.barh([label for label, _ in bars][::-1], [ratio for _, ratio in bars][::-1])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("rate as a fraction of the same work in one process")
+    ax.set_title(f"RPC against one process ({os.cpu_count()} cores, torch {torch.__version__})")
+    fig.tight_layout()
+    fig.savefig(BENCH / "ratios.png", dpi=100)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="one repetition of shorter runs, and no test suite")
+    parser.add_argument("--solve", action="store_true",
+                        help="only train rl_cartpole until solved, two ways, and write SOLVE.md "
+                             "(about 8 minutes)")
+    args = parser.parse_args()
+    if args.solve:
+        write_solves(solve_runs())
+        print((BENCH / "SOLVE.md").read_text())
+        return
+    repeats = 1 if args.quick else 3
+    started = time.perf_counter()
+    print("== RPC round trip", flush=True)
+    roundtrip = rpc_roundtrip(repeats=3 if args.quick else 5)
+    with tempfile.TemporaryDirectory() as folder:
+        all_comparisons = comparisons(args.quick, folder)
+        measure(all_comparisons, repeats, args.quick)
+    suite = None
+    if not args.quick:
+        print("== the test suite", flush=True)
+        suite = test_suite_seconds()
+    write_results(all_comparisons, roundtrip, suite, repeats, time.perf_counter() - started,
+                  args.quick)
+    write_chart(all_comparisons)
+    print((BENCH / "RESULTS.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
