@@ -100,9 +100,10 @@ def run_example(cmd, start, end, timeout=900):
                 raise RuntimeError(f"{' '.join(cmd)} took more than {timeout} s")
             output = log.read_text()
             if first is None and re.search(start, output, re.M):
+                pids = pids or _session_pids(proc.pid)
                 first = (time.monotonic(), _threads(pids))
-            elif first is None:  # starting: find its processes (a scan too slow for later)
-                pids = _session_pids(proc.pid)
+            elif first is None:  # starting: find its processes now, as scanning /proc takes
+                pids = _session_pids(proc.pid)  # too long once they keep the cores busy
             elif not re.search(end, output, re.M):
                 last = (time.monotonic(), _threads(pids))
             time.sleep(0.2)
@@ -422,9 +423,9 @@ def write_solves(solves):
         lines.append(f"| {label} | {'yes' if s['solved'] else 'no'} | {s['episodes']} | "
                      f"{s['env_steps']} | {s['training_seconds']:.0f} s | "
                      f"{s['wall_seconds']:.0f} s | {s['steps_per_second']:.0f} |")
-    lines += ["", "With one observer a run is repeatable: the same episodes every time. With four, "
-              "batched runs drift apart after some tens of episodes (see rl_cartpole/README.md), "
-              "so the episodes to solve vary from run to run."]
+    lines += ["", "The episodes to solve vary from run to run even at one seed: runs drift apart "
+              "after some tens of episodes (see \"Seeding and reproducibility\" in "
+              "[rl_cartpole/README.md](../rl_cartpole/README.md))."]
     (BENCH / "SOLVE.md").write_text("\n".join(lines) + "\n")
 
 

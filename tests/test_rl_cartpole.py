@@ -249,9 +249,11 @@ def test_spawn_all_learned(tutorial_run):
     assert summary["running_reward"] > 20, summary
 
 
-def test_ranks_as_separate_commands_repeat_the_run_exactly(tutorial_run, tmp_path, runs):
-    """The observer started before the agent; with one observer the run is deterministic, so
-    it plays exactly the episodes of the spawn-all run."""
+def test_ranks_as_separate_commands_repeat_the_run(tutorial_run, tmp_path, runs):
+    """The observer started before the agent; with one observer and one seed it plays the
+    episodes of the spawn-all run. Only the first 10 are compared: the weights drift apart in
+    their last bits from the first update (see "Seeding" in rl_cartpole/README.md), and after
+    some tens of episodes an action comes out differently."""
     spawned, _ = tutorial_run
     common = ["--world_size", 2, "--master_port", find_free_port(), "--max_episodes", EPISODES,
               "--log_interval", 1]
@@ -261,7 +263,8 @@ def test_ranks_as_separate_commands_repeat_the_run_exactly(tutorial_run, tmp_pat
         run.wait(timeout=120)
         assert run.returncode == 0, run.output
         assert not run.leftovers()
-    assert EPISODE_LINE.findall(agent.stdout) == EPISODE_LINE.findall(spawned.stdout)
+    assert EPISODE_LINE.findall(agent.stdout)[:10] == EPISODE_LINE.findall(spawned.stdout)[:10]
+    assert len(EPISODE_LINE.findall(agent.stdout)) == EPISODES
     assert observer.stdout == ""
 
 
