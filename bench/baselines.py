@@ -7,6 +7,7 @@ count as the example. Prints one JSON object: {baseline: rate}.
 """
 
 import argparse
+import functools
 import importlib.util
 import json
 import random
@@ -22,6 +23,7 @@ from torch.distributions import Categorical
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@functools.cache  # rl_cartpole serves two baselines
 def load_example(example):
     spec = importlib.util.spec_from_file_location(f"{example}_main", ROOT / example / "main.py")
     module = importlib.util.module_from_spec(spec)

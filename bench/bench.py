@@ -254,11 +254,12 @@ def measure(all_comparisons, repeats, quick):
 
 
 def rpc_roundtrip(repeats):
-    out = Path(tempfile.mkdtemp()) / "roundtrip.json"
-    subprocess.run([PY, BENCH / "rpc_roundtrip.py", "--repeats", str(repeats), "--port",
-                    str(free_port()), "--tcp_port", str(free_port()), "--out", str(out)],
-                   check=True, capture_output=True, timeout=600)
-    return json.loads(out.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "roundtrip.json"
+        subprocess.run([PY, BENCH / "rpc_roundtrip.py", "--repeats", str(repeats), "--port",
+                        str(free_port()), "--tcp_port", str(free_port()), "--out", str(out)],
+                       check=True, capture_output=True, timeout=600)
+        return json.loads(out.read_text())
 
 
 SOLVES = {

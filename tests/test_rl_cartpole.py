@@ -263,8 +263,9 @@ def test_ranks_as_separate_commands_repeat_the_run(tutorial_run, tmp_path, runs)
         run.wait(timeout=120)
         assert run.returncode == 0, run.output
         assert not run.leftovers()
-    assert EPISODE_LINE.findall(agent.stdout)[:10] == EPISODE_LINE.findall(spawned.stdout)[:10]
-    assert len(EPISODE_LINE.findall(agent.stdout)) == EPISODES
+    episodes = EPISODE_LINE.findall(agent.stdout)
+    assert len(episodes) == EPISODES
+    assert episodes[:10] == EPISODE_LINE.findall(spawned.stdout)[:10]
     assert observer.stdout == ""
 
 
