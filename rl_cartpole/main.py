@@ -174,6 +174,17 @@ def discounted_returns(rewards_per_observer, gamma, eps):
     return (returns - returns.mean()) / (returns.std() + eps)
 
 
+def log_probs_by_observer(saved_batches):
+    """--batch: the log-probabilities of all the forward passes of an episode, saved as
+    (observer ids, log-probabilities) per pass, in one tensor ordered as discounted_returns
+    orders the returns: observer after observer by id (a stable sort keeps each one's steps in
+    order). Cut into one tensor per observer and step instead, as tutorial mode keeps them, the
+    update's backward pass took 1.7 times as long (150 against 87 ms for 500 passes of 4)."""
+    row_ob_ids = [ob_id for ob_ids, _ in saved_batches for ob_id in ob_ids]
+    order = sorted(range(len(row_ob_ids)), key=row_ob_ids.__getitem__)
+    return torch.cat([log_probs for _, log_probs in saved_batches])[order]
+
+
 # The Agent object of this process (rank 0's), which select_action_batch works for.
 local_agent = None
 
@@ -197,11 +208,13 @@ class Agent:
         self.batch = batch
         # --batch: the states waiting for the next forward pass, one per observer id; the future
         # that the next forward pass completes with every observer's action; how many observers
-        # are still in the episode (the others will send no more states).
+        # are still in the episode (the others will send no more states); and, as in the batch
+        # tutorial, one entry per forward pass: its observer ids and their log-probabilities.
         self.lock = threading.Lock()
         self.states = {}
         self.future_actions = torch.futures.Future()
         self.playing = 0
+        self.saved_batches = []
         for ob_rank in range(1, world_size):
             ob_info = rpc.get_worker_info(OBSERVER_NAME.format(ob_rank))
             self.ob_rrefs.append(remote(ob_info, Observer, args=(seed,)))
@@ -245,9 +258,7 @@ class Agent:
         probs = self.policy(states.to(self.device))
         m = Categorical(probs)
         actions = m.sample()
-        log_probs = m.log_prob(actions)
-        for row, ob_id in enumerate(ob_ids):
-            self.saved_log_probs[ob_id].append(log_probs[row:row + 1])
+        self.saved_batches.append((ob_ids, m.log_prob(actions)))
         future_actions, self.future_actions = self.future_actions, torch.futures.Future()
         self.states = {}
         future_actions.set_result(dict(zip(ob_ids, actions.tolist(), strict=True)))
@@ -281,27 +292,34 @@ class Agent:
             fut.wait()
 
     def finish_episode(self):
-        # joins probs and rewards from different observers into lists
-        probs = []
-        for ob_id in self.rewards:
-            probs.extend(self.saved_log_probs[ob_id])
-        returns = discounted_returns(list(self.rewards.values()), self.gamma, self.eps)
+        ob_ids = sorted(self.rewards)
+        returns = discounted_returns([self.rewards[ob_id] for ob_id in ob_ids], self.gamma,
+                                     self.eps).to(self.device)
         self.env_steps += len(returns)
 
         # use the minimum observer reward to calculate the running reward
-        min_reward = min([sum(self.rewards[ob_id]) for ob_id in self.rewards])
+        min_reward = min([sum(self.rewards[ob_id]) for ob_id in ob_ids])
         self.running_reward = 0.05 * min_reward + (1 - 0.05) * self.running_reward
 
+        if self.batch:
+            policy_loss = (-log_probs_by_observer(self.saved_batches) * returns).sum()
+        else:
+            # joins probs from different observers into a list
+            probs = []
+            for ob_id in ob_ids:
+                probs.extend(self.saved_log_probs[ob_id])
+            policy_loss = []
+            for log_prob, R in zip(probs, returns, strict=True):
+                policy_loss.append(-log_prob * R)
+            policy_loss = torch.cat(policy_loss).sum()
+
         # clear saved probs and rewards
-        for ob_id in self.rewards:
+        for ob_id in ob_ids:
             self.rewards[ob_id] = []
             self.saved_log_probs[ob_id] = []
+        self.saved_batches = []
 
-        policy_loss = []
-        for log_prob, R in zip(probs, returns.to(self.device), strict=True):
-            policy_loss.append(-log_prob * R)
         self.optimizer.zero_grad()
-        policy_loss = torch.cat(policy_loss).sum()
         policy_loss.backward()
         self.optimizer.step()
         return min_reward

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.rpc as rpc
 from conftest import find_free_port, load_example, run_example
+from torch.distributions import Categorical
 
 rl = load_example("rl_cartpole")
 
@@ -130,8 +131,8 @@ def test_one_forward_pass_answers_every_observer_with_its_own_action(batching_ag
     assert torch.futures.wait_all([first, second, last]) == [0, 1, 1]
     (batch,) = agent.policy.batches  # one forward pass for the three states, in id order
     assert batch[:, 0].tolist() == [1.0, -1.0, 0.5]
-    assert {ob_id: len(probs) for ob_id, probs in agent.saved_log_probs.items()} == {
-        1: 1, 2: 1, 3: 1}
+    ((ob_ids, log_probs),) = agent.saved_batches  # kept for the update, one row per observer
+    assert ob_ids == [1, 2, 3] and log_probs.shape == (3,)
 
     # The next step is a new batch.
     futures = [ask_for_action(ob_id, -2.0) for ob_id in (3, 1, 2)]
@@ -150,6 +151,42 @@ def test_a_finished_observer_is_no_longer_waited_for(batching_agent):
     assert torch.futures.wait_all(waiting) == [1, 0]
     assert agent.policy.batches[0][:, 0].tolist() == [1.0, -1.0]
     assert agent.rewards[2] == [1.0, 1.0] and agent.playing == 2
+
+
+@in_rpc_world
+def test_the_batched_update_is_the_tutorials_update(rpc_world):
+    """--batch keeps one tensor per forward pass and puts its rows in order at the end of the
+    episode; the update must be the one the tutorial makes from per-observer lists of the same
+    log-probabilities. Three observers whose episodes end after 2, 1 and 3 steps."""
+    passes = [[1, 2, 3], [1, 3], [3]]  # the observers each forward pass acts for
+    rewards = {1: [1.0, 1.0], 2: [1.0], 3: [1.0, 1.0, 1.0]}
+    torch.manual_seed(3)
+    states = {ob_id: torch.randn(len(steps), 4) for ob_id, steps in rewards.items()}
+    agents = {}
+    for batch in (False, True):
+        torch.manual_seed(1)  # the same initial policy for both
+        agent = agents[batch] = rl.Agent(world_size=1, seed=1, gamma=0.9, batch=batch)
+        agent.policy.eval()  # no dropout, so that both forward passes agree
+        taken = dict.fromkeys(rewards, 0)
+        for ob_ids in passes:
+            rows = torch.stack([states[ob_id][taken[ob_id]] for ob_id in ob_ids])
+            for ob_id in ob_ids:
+                taken[ob_id] += 1
+            m = Categorical(agent.policy(rows))
+            log_probs = m.log_prob(torch.tensor([0, 1, 1][:len(ob_ids)]))
+            if batch:
+                agent.saved_batches.append((ob_ids, log_probs))
+            else:  # the same log-probabilities, filed per observer as tutorial mode files them
+                for row, ob_id in enumerate(ob_ids):
+                    agent.saved_log_probs.setdefault(ob_id, []).append(log_probs[row:row + 1])
+        agent.rewards = {ob_id: list(r) for ob_id, r in rewards.items()}
+        agent.finish_episode()
+    assert agents[True].env_steps == agents[False].env_steps == 6
+    for tutorial, batched in zip(agents[False].policy.parameters(),
+                                 agents[True].policy.parameters(), strict=True):
+        assert torch.allclose(tutorial, batched, atol=1e-7)
+    torch.manual_seed(1)
+    assert not torch.allclose(rl.Policy().affine1.weight, agents[True].policy.affine1.weight)
 
 
 # --------- Command line, in-process --------------------
