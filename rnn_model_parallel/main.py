@@ -19,6 +19,7 @@ See README.md beside this file for what differs from the tutorial, and `--help` 
 import argparse
 import ctypes
 import fcntl
+import io
 import ipaddress
 import json
 import math
@@ -547,11 +548,21 @@ def spawn_all(args):
 def _spawned_rank(rank, args, launcher_pid):
     """A rank started by spawn_all. It ends with its launcher, even one killed with SIGKILL,
     so that no rank is left running unseen (Linux; elsewhere it finishes its run)."""
+    _print_whole_lines()
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
         if os.getppid() != launcher_pid:  # the launcher was gone before prctl
             os._exit(1)
     run_rank(rank, args)
+
+
+def _print_whole_lines():
+    """Have print() write each line at once. The ranks share one terminal or log, where lines
+    written in pieces (as under python -u or PYTHONUNBUFFERED) run into each other's; and each
+    line then shows when it is printed, even through a pipe (| tee run.log)."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=False)
 
 
 # --------- Command line --------------------
@@ -711,6 +722,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    _print_whole_lines()
     os.environ["MASTER_ADDR"] = args.master_addr  # where init_rpc's env:// rendezvous looks
     os.environ["MASTER_PORT"] = str(args.master_port)
     choose_network_interface(args.master_addr)

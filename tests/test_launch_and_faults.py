@@ -3,6 +3,7 @@ hosts (network namespaces), a rank killed mid-run, a rank that never comes, bad 
 runs listening on loopback only. Everything that starts processes is marked slow."""
 
 import inspect
+import io
 import ipaddress
 import multiprocessing
 import os
@@ -335,8 +336,8 @@ def test_every_example_is_covered():
 SHARED_CODE = ("_show_useful_warning", "_report_finished", "_answer", "init_rpc_with_timeout",
                "_listen", "_listen_for_rendezvous", "finish_and_shutdown", "_unreachable",
                "_first_line", "_exit", "choose_network_interface", "_ipv4_address", "spawn_all",
-               "_spawned_rank", "ArgumentParser", "int_at_least", "positive_float",
-               "port_number", "add_launch_arguments", "resolve_launch")
+               "_spawned_rank", "_print_whole_lines", "ArgumentParser", "int_at_least",
+               "positive_float", "port_number", "add_launch_arguments", "resolve_launch")
 
 
 @pytest.mark.parametrize("name", SHARED_CODE)
@@ -344,3 +345,26 @@ def test_shared_code_is_the_same_in_every_example(name):
     sources = {example: inspect.getsource(getattr(load_example(example), name))
                for example in EXAMPLES}
     assert len(set(sources.values())) == 1, f"{name} differs between the examples"
+
+
+class _RecordedWrites(io.RawIOBase):
+    def __init__(self):
+        self.writes = []
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        self.writes.append(bytes(data))
+        return len(data)
+
+
+def test_each_printed_line_is_one_write(monkeypatch):
+    """Under PYTHONUNBUFFERED (as the tests run the examples), print("a", 1) wrote "a", " ",
+    "1" and a newline separately, and two ranks' lines ran into each other in the log."""
+    raw = _RecordedWrites()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, write_through=True))
+    load_example("ddp_rpc_hybrid")._print_whole_lines()
+    print("Training done for epoch", 0)
+    print("next")
+    assert raw.writes == [b"Training done for epoch 0\n", b"next\n"]
