@@ -54,8 +54,9 @@ def param_server(batches):
 def rl_cartpole(episodes, environments):
     """The agent's policy and training, on `environments` CartPole environments stepped in this
     process: one forward pass a step for all the environments still playing (as --batch does;
-    with one environment, as the tutorial does), one update an episode (made as --batch makes
-    it, which with one environment is the tutorial's sum, a little cheaper). Seeded as rl_cartpole
+    with one environment, as the tutorial does), one update an episode, its loss built as
+    --batch builds it (with one environment, the tutorial's sum from fewer autograd nodes). Seeded
+    as rl_cartpole
     seeds agent and observers, so one environment plays the same episodes as a run with one
     observer. One thread, as the agent. Environment steps per second."""
     import gymnasium as gym
