@@ -55,10 +55,9 @@ def rl_cartpole(episodes, environments):
     """The agent's policy and training, on `environments` CartPole environments stepped in this
     process: one forward pass a step for all the environments still playing (as --batch does;
     with one environment, as the tutorial does), one update an episode, its loss built as
-    --batch builds it (with one environment, the tutorial's sum from fewer autograd nodes). Seeded
-    as rl_cartpole
-    seeds agent and observers, so one environment plays the same episodes as a run with one
-    observer. One thread, as the agent. Environment steps per second."""
+    --batch builds it (with one environment, the tutorial's sum from fewer autograd nodes).
+    Seeded as rl_cartpole seeds agent and observers, so one environment plays the same episodes
+    as a run with one observer. One thread, as the agent. Environment steps per second."""
     import gymnasium as gym
 
     rl = load_example("rl_cartpole")
