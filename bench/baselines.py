@@ -1,4 +1,4 @@
-"""The single-process baselines: each example's own model (imported from its main.py) trained,
+"""The single-process baselines: each example's own model (imported from its folder) trained,
 or played, in one process with no RPC, with the same data, batch sizes, optimizer and thread
 count as the example. Prints one JSON object: {baseline: rate}.
 
@@ -7,8 +7,6 @@ count as the example. Prints one JSON object: {baseline: rate}.
 """
 
 import argparse
-import functools
-import importlib.util
 import json
 import random
 import sys
@@ -21,25 +19,19 @@ import torch.nn.functional as F
 from torch.distributions import Categorical
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@functools.cache  # rl_cartpole serves two baselines
-def load_example(example):
-    spec = importlib.util.spec_from_file_location(f"{example}_main", ROOT / example / "main.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(ROOT / "tests"))
+from example_modules import load_example  # noqa: E402 - the examples' modules, kept apart
 
 
 def param_server(batches):
     """Net on the synthetic digits, batches of 32, SGD at 0.03, torch's default thread count
     (as on the parameter server): samples per second."""
-    ps = load_example("param_server")
+    ps, ps_data = load_example("param_server"), load_example("param_server", "data")
     torch.manual_seed(1)
     net = ps.Net(num_gpus=0)
     opt = torch.optim.SGD(net.parameters(), lr=0.03)
-    loader = torch.utils.data.DataLoader(ps.synthetic_digits(ps.SYNTHETIC_TRAIN_SIZE, 1),
-                                         batch_size=32, shuffle=True)
+    train_set = ps_data.synthetic_digits(ps_data.SYNTHETIC_TRAIN_SIZE, 1)
+    loader = torch.utils.data.DataLoader(train_set, batch_size=32, shuffle=True)
     samples, started = 0, time.perf_counter()
     for i, (data, target) in enumerate(loader):
         if i >= batches:
@@ -60,7 +52,7 @@ def rl_cartpole(episodes, environments):
     as a run with one observer. One thread, as the agent. Environment steps per second."""
     import gymnasium as gym
 
-    rl = load_example("rl_cartpole")
+    rl, rl_batch = load_example("rl_cartpole"), load_example("rl_cartpole", "batch")
     torch.set_num_threads(1)
     torch.manual_seed(1)
     policy = rl.Policy()
@@ -89,7 +81,7 @@ def rl_cartpole(episodes, environments):
             if not states:
                 break
         returns = rl.discounted_returns([rewards[i] for i in sorted(rewards)], 0.99, eps)
-        loss = (-rl.log_probs_by_observer(passes) * returns).sum()
+        loss = (-rl_batch.log_probs_by_observer(passes) * returns).sum()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -100,20 +92,21 @@ def rl_cartpole(episodes, environments):
 def rnn_model_parallel(epochs):
     """The three parts of RNNModel in one process, on the synthetic task with the example's
     default sizes and SGD at its default rate: iterations per second."""
-    rnn = load_example("rnn_model_parallel")
+    rnn = load_example("rnn_model_parallel", "rnn")
+    data = load_example("rnn_model_parallel", "data")
     torch.manual_seed(1)
-    ntoken, emsize, nhid, batch_size, bptt = rnn.SYNTHETIC_NTOKEN, 2, 3, 3, 5
+    ntoken, emsize, nhid, batch_size, bptt = data.SYNTHETIC_NTOKEN, 2, 3, 3, 5
     table, lstm = rnn.EmbeddingTable(ntoken, emsize, 0.0), torch.nn.LSTM(emsize, nhid, 1)
     decoder = rnn.Decoder(ntoken, nhid, 0.0)
     params = [*table.parameters(), *lstm.parameters(), *decoder.parameters()]
     opt = torch.optim.SGD(params, lr=1.0)
-    source = rnn.batchify(rnn.synthetic_tokens(rnn.SYNTHETIC_TOKENS, ntoken, 1), batch_size)
+    source = data.batchify(data.synthetic_tokens(data.SYNTHETIC_TOKENS, ntoken, 1), batch_size)
     hidden = (torch.randn(1, batch_size, nhid), torch.randn(1, batch_size, nhid))
     iterations, started = 0, time.perf_counter()
     for _ in range(epochs):
-        for data, target in rnn.get_next_batch(source, bptt):
+        for inputs, target in data.next_token_windows(source, bptt):
             hidden = (hidden[0].detach(), hidden[1].detach())
-            output, hidden = lstm(table(data), hidden)
+            output, hidden = lstm(table(inputs), hidden)
             loss = F.cross_entropy(decoder(output).view(-1, ntoken), target.view(-1))
             opt.zero_grad()
             loss.backward()
@@ -129,7 +122,8 @@ def ddp_rpc_hybrid(batches):
     torch.manual_seed(1)
     table = torch.nn.EmbeddingBag(hybrid.NUM_EMBEDDINGS, hybrid.EMBEDDING_DIM, mode="sum")
     dense = torch.nn.Linear(hybrid.EMBEDDING_DIM, hybrid.NUM_CLASSES)
-    opt = torch.optim.SGD([*table.parameters(), *dense.parameters()], lr=hybrid.LEARNING_RATE)
+    opt = torch.optim.SGD([*table.parameters(), *dense.parameters()], lr=0.05)  # the trainers'
+
     batches = list(hybrid.get_next_batch(random.Random(1), batches, torch.device("cpu")))
     started = time.perf_counter()
     for indices, offsets, target in batches:

@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -160,15 +161,16 @@ class Comparison:
 
 
 def param_server_as_before(folder):
-    """param_server/main.py without this repository's fast paths, for the "before" variants:
-    the same file with glibc's default malloc behaviour (no keep_freed_memory()). Run it with
-    --rpc_transport auto for the RPC agent's default transports too."""
-    text = (ROOT / "param_server" / "main.py").read_text()
+    """A copy of param_server/ without this repository's fast path, for the "before" variants:
+    launch.py with glibc's default malloc behaviour (no keep_freed_memory()). Run it with
+    --rpc_transport auto for the RPC agent's default transports too. Returns its main.py."""
+    copy = Path(folder) / "param_server_before"
+    shutil.copytree(ROOT / "param_server", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    launch = (copy / "launch.py").read_text()
     call = "    keep_freed_memory()\n"
-    assert text.count(call) == 1, "param_server/main.py no longer calls keep_freed_memory()"
-    path = Path(folder) / "param_server_before.py"
-    path.write_text(text.replace(call, ""))
-    return path
+    assert launch.count(call) == 1, "launch.py no longer calls keep_freed_memory()"
+    (copy / "launch.py").write_text(launch.replace(call, ""))
+    return copy / "main.py"
 
 
 def comparisons(quick, folder):
@@ -179,11 +181,11 @@ def comparisons(quick, folder):
     rnn_rate = lambda s: s["iterations"] / s["train_seconds"]  # noqa: E731
     ddp_rate = lambda s: s["iterations_per_trainer"]["trainer0"] / s["train_seconds"]  # noqa: E731
     ps_window = (r"training batch 0 loss", r"^Training complete!")
-    rl_window = (r"^Agent: ", r"^(Stopped after|Solved!)")
+    rl_window = (r"^Episode \d+\t", r"^(Stopped after|Solved!)")
     rnn_epochs = 2 if quick else 3
-    rnn_window = (r"^Embedding table on ps", rf"^Training epoch {rnn_epochs - 1} ")
+    rnn_window = (r"^Embedding table on ps", rf"^Training epoch {rnn_epochs - 1}$")
     ddp_epochs = 15 if quick else 30
-    ddp_window = (r"^Training done for epoch 0 ", r"^Dense layer")
+    ddp_window = (r"^Training done for epoch 0$", r"^Dense layer")
     one_trainer = ("--world_size", 2, "--dataset", "synthetic", "--max_batches", ps_batches)
     before = [PY, param_server_as_before(folder), "--master_port", "{port}", "--summary_json",
               "{summary}", "--data_dir", ROOT / "data", *one_trainer]
@@ -273,7 +275,7 @@ def solve_runs():
     results = {}
     for label, flags in SOLVES.items():
         print(f"== rl_cartpole until solved, {label}", flush=True)
-        results[label] = run_example(example("rl_cartpole", *flags), r"^Agent: ",
+        results[label] = run_example(example("rl_cartpole", *flags), r"^Episode \d+\t",
                                      r"^(Stopped after|Solved!)", timeout=1800).summary
     return results
 

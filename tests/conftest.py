@@ -1,8 +1,8 @@
 """What every example's tests need: free ports, a bounded runner for an example's command line
-that also checks nothing is left running, tiny MNIST files, and in-process access to a main.py."""
+that also checks nothing is left running, and tiny MNIST files. In-process access to an
+example's modules is in example_modules.py."""
 
 import gzip
-import importlib.util
 import os
 import re
 import signal
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from example_modules import load_example
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ("param_server", "rl_cartpole", "rnn_model_parallel", "ddp_rpc_hybrid")
@@ -50,6 +51,7 @@ def free_port():
 # --------- Running examples --------------------
 
 def example_command(example, *args):
+    """The command line that runs an example's main.py (from the repository's root)."""
     return [sys.executable, str(ROOT / example / "main.py"), *map(str, args)]
 
 
@@ -194,19 +196,6 @@ def run_example(example, *args, timeout=120, env=None, log_dir=None):
     return run
 
 
-# --------- Loading an example in-process --------------------
-
-def load_example(example):
-    """Import <example>/main.py as a module (examples are scripts, not packages)."""
-    name = f"{example}_main"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / example / "main.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 # --------- Tiny MNIST --------------------
 
 def _write_idx(path, array, compress):
@@ -223,7 +212,7 @@ def _write_idx(path, array, compress):
 def write_mnist(root, train_size=600, test_size=200, seed=0, compress=False):
     """Write MNIST-format files under root/MNIST/raw, as torchvision expects them. The digits
     are param_server's synthetic ones turned back into 0..255 pixels, so a model can learn them."""
-    synthetic_digits = load_example("param_server").synthetic_digits
+    synthetic_digits = load_example("param_server", "data").synthetic_digits
     raw = Path(root) / "MNIST" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     for prefix, size, offset in (("train", train_size, 0), ("t10k", test_size, 1)):

@@ -2,7 +2,6 @@
 hosts (network namespaces), a rank killed mid-run, a rank that never comes, bad input, and local
 runs listening on loopback only. Everything that starts processes is marked slow."""
 
-import inspect
 import io
 import ipaddress
 import multiprocessing
@@ -244,7 +243,7 @@ def test_killed_rank_stops_every_other_rank(example, victim, mode, runs):
 @pytest.mark.slow
 def test_killed_launcher_takes_its_ranks_with_it(runs):
     """SIGKILL the command that started every rank: the ranks end too, instead of running on
-    unseen. One example: the code is the same in all four (test_shared_code_is_the_same)."""
+    unseen. One example: launch.py is the same in all (test_every_folder_has_the_same_launch_py)."""
     config = EXAMPLES["rnn_model_parallel"]
     launcher = runs.start(config.name, *config.endless, "--world_size", config.world_size,
                           "--master_port", find_free_port())
@@ -335,20 +334,20 @@ def test_every_example_is_covered():
     assert {p.name for p in ROOT.iterdir() if (p / "main.py").exists()} <= set(EXAMPLES)
 
 
-# The launch and failure code is repeated in every main.py, so that each reads on its own (as the
-# tutorials repeat their helpers); the fault tests above lean on it being the same everywhere.
-SHARED_CODE = ("_show_useful_warning", "_report_finished", "_answer", "init_rpc_with_timeout",
-               "_listen", "_listen_for_rendezvous", "finish_and_shutdown", "_unreachable",
-               "_first_line", "_exit", "choose_network_interface", "_ipv4_address", "spawn_all",
-               "_spawned_rank", "_print_whole_lines", "ArgumentParser", "int_at_least",
-               "positive_float", "port_number", "add_launch_arguments", "resolve_launch")
+def test_every_folder_has_the_same_launch_py():
+    """The harness is one file, copied into every example's folder so that each runs on its own;
+    the fault tests above lean on it being the same everywhere."""
+    copies = {example: (ROOT / example / "launch.py").read_bytes() for example in EXAMPLES}
+    assert len(set(copies.values())) == 1, "launch.py differs between the examples"
 
 
-@pytest.mark.parametrize("name", SHARED_CODE)
-def test_shared_code_is_the_same_in_every_example(name):
-    sources = {example: inspect.getsource(getattr(load_example(example), name))
-               for example in EXAMPLES}
-    assert len(set(sources.values())) == 1, f"{name} differs between the examples"
+def test_main_py_holds_no_harness():
+    """main.py is the tutorial's code: the harness stays in launch.py."""
+    for example in EXAMPLES:
+        source = (ROOT / example / "main.py").read_text()
+        for harness in ("HEARTBEAT_SECONDS", "SIOCGIFADDR", "def spawn_all", "TCPStore",
+                        "ArgumentTypeError", "mp.spawn"):
+            assert harness not in source, (example, harness)
 
 
 class _RecordedWrites(io.RawIOBase):
@@ -368,7 +367,7 @@ def test_each_printed_line_is_one_write(monkeypatch):
     "1" and a newline separately, and two ranks' lines ran into each other in the log."""
     raw = _RecordedWrites()
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, write_through=True))
-    load_example("ddp_rpc_hybrid")._print_whole_lines()
+    load_example("ddp_rpc_hybrid", "launch")._print_whole_lines()
     print("Training done for epoch", 0)
     print("next")
     assert raw.writes == [b"Training done for epoch 0\n", b"next\n"]

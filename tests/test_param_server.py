@@ -7,6 +7,7 @@ import torch
 from conftest import find_free_port, load_example, run_example, write_mnist
 
 ps = load_example("param_server")
+ps_data = load_example("param_server", "data")
 
 
 # --------- Pure logic, in-process --------------------
@@ -31,19 +32,19 @@ def test_device_choice_refuses_gpus_that_are_not_there(num_gpus, gpu_count):
 
 
 def test_synthetic_digits_are_deterministic_mnist_shaped_and_normalised():
-    images, labels = ps.synthetic_digits(500, seed=3).tensors
-    again, _ = ps.synthetic_digits(500, seed=3).tensors
-    other, _ = ps.synthetic_digits(500, seed=4).tensors
+    images, labels = ps_data.synthetic_digits(500, seed=3).tensors
+    again, _ = ps_data.synthetic_digits(500, seed=3).tensors
+    other, _ = ps_data.synthetic_digits(500, seed=4).tensors
     assert images.shape == (500, 1, 28, 28) and labels.shape == (500,)
     assert torch.equal(images, again) and not torch.equal(images, other)
     assert set(labels.tolist()) == set(range(10))
-    pixels = images * ps.MNIST_STD + ps.MNIST_MEAN  # back to 0..1
+    pixels = images * ps_data.MNIST_STD + ps_data.MNIST_MEAN  # back to 0..1
     assert pixels.min() >= -1e-6 and pixels.max() <= 1 + 1e-6
     assert 0.05 < pixels.mean() < 0.35  # mostly background, like MNIST
 
 
 def test_synthetic_classes_differ_in_shape():
-    images, labels = ps.synthetic_digits(2000, seed=0).tensors
+    images, labels = ps_data.synthetic_digits(2000, seed=0).tensors
     means = torch.stack([images[labels == digit].mean(0) for digit in range(10)]).flatten(1)
     distances = torch.cdist(means, means) + torch.eye(10) * 1e9
     spread = images.flatten(1).std(0).mean()
@@ -52,10 +53,10 @@ def test_synthetic_classes_differ_in_shape():
 
 def test_mnist_idx_files_load_through_torchvision(tmp_path):
     write_mnist(tmp_path, train_size=60, test_size=20)
-    assert ps.check_mnist(tmp_path) is None
-    train = ps.mnist(tmp_path, train=True)
+    assert ps_data.check_mnist(tmp_path) is None
+    train = ps_data.mnist(tmp_path, train=True)
     image, label = train[0]
-    assert len(train) == 60 and len(ps.mnist(tmp_path, train=False)) == 20
+    assert len(train) == 60 and len(ps_data.mnist(tmp_path, train=False)) == 20
     assert image.shape == (1, 28, 28) and 0 <= label <= 9
 
 
@@ -63,18 +64,18 @@ def test_missing_mnist_is_one_clear_line(tmp_path, monkeypatch):
     def offline(*args, download=False, **kwargs):
         raise RuntimeError("Error downloading train-images-idx3-ubyte.gz")
 
-    monkeypatch.setattr(ps, "mnist", offline)
-    problem = ps.check_mnist(tmp_path)
+    monkeypatch.setattr(ps_data, "mnist", offline)
+    problem = ps_data.check_mnist(tmp_path)
     assert "\n" not in problem
     assert str(tmp_path / "MNIST" / "raw") in problem
-    assert all(name in problem for name in ps.MNIST_FILES)
+    assert all(name in problem for name in ps_data.MNIST_FILES)
     assert "--dataset synthetic" in problem
 
 
 def test_each_trainer_gets_its_own_share_of_the_data():
     args = ps.parse_args(["--dataset", "synthetic", "--rank", "1"])
-    shares = [ps.get_data_loaders(rank, 4, args)[0].dataset.indices for rank in (1, 2, 3)]
-    assert sorted(i for share in shares for i in share) == list(range(ps.SYNTHETIC_TRAIN_SIZE))
+    shares = [ps_data.get_data_loaders(rank, 4, args)[0].dataset.indices for rank in (1, 2, 3)]
+    assert sorted(i for share in shares for i in share) == list(range(ps_data.SYNTHETIC_TRAIN_SIZE))
 
 
 # --------- Command line, in-process --------------------
@@ -98,7 +99,7 @@ def bad_input_message(capsys, argv):
     (["--lr", "-0.1"], "greater than 0"),
     (["--master_port", "0"], "from 1 to 65535"),
     (["--master_port", "65536"], "from 1 to 65535"),
-    (["--num_gpus", "1"], "more GPUs than this machine has"),
+    (["--num_gpus", "1"], "more GPUs than the parameter server's machine has"),
     (["--num_gpus", "3"], "must be 0, 1 or 2"),
     (["--data_dir", "/nonexistent/mnist"], "no such folder"),
     (["--dataset", "cifar"], "invalid choice"),
@@ -107,6 +108,13 @@ def test_bad_input_is_one_line_and_status_2(capsys, argv, expected):
     if torch.cuda.device_count() and "--num_gpus" in argv:
         pytest.skip("this machine has GPUs")
     assert expected in bad_input_message(capsys, ["--dataset", "synthetic", *argv])
+
+
+def test_num_gpus_is_checked_where_the_model_lives():
+    """The parameter server (rank 0) builds the model from its own --num_gpus; a trainer's value
+    is not used, so a trainer's machine needs no GPUs for it."""
+    args = ps.parse_args(["--dataset", "synthetic", "--rank", "1", "--num_gpus", "2"])
+    assert args.num_gpus == 2 and args.rank == 1
 
 
 def test_busy_port_names_the_port_and_the_flag(capsys):

@@ -11,9 +11,11 @@ import pytest
 import torch
 import torch.distributed.rpc as rpc
 from conftest import find_free_port, load_example, run_example
+from example_modules import example_modules
 from torch.distributions import Categorical
 
 rl = load_example("rl_cartpole")
+rl_batch = load_example("rl_cartpole", "batch")
 
 
 # --------- Pure logic, in-process --------------------
@@ -42,27 +44,41 @@ def test_returns_undiscounted_count_the_steps_left():
     assert torch.allclose(returns, (raw - raw.mean()) / raw.std())
 
 
-@pytest.mark.parametrize("batch, gpu_count, expected", [
-    (False, 0, "cpu"), (False, 2, "cpu"), (True, 0, "cpu"), (True, 1, "cuda:0"),
-    (True, 4, "cuda:0"),
-])
-def test_device_choice_follows_the_tutorials(batch, gpu_count, expected):
-    assert str(rl.choose_device(batch, gpu_count)) == expected
+@pytest.mark.parametrize("gpu_count, expected", [(0, "cpu"), (1, "cuda:0"), (4, "cuda:0")])
+def test_batch_mode_puts_the_policy_on_the_first_gpu_if_any(gpu_count, expected):
+    assert str(rl_batch.choose_device(gpu_count)) == expected
+
+
+def play_one_episode(monkeypatch, rank, seed, episodes=1):
+    """The first states that Observer(seed) of rank `rank` sees in `episodes` episodes, with
+    the agent's RPCs answered in this process (always push left)."""
+    monkeypatch.setattr(rl.rpc, "get_worker_info", lambda: SimpleNamespace(id=rank))
+    seen = []
+
+    def agent(method, agent_rref, ob_id, *args):
+        if method is rl.Agent.select_action:
+            seen.append(args[0])
+            return 0
+        return None
+
+    monkeypatch.setattr(rl, "_remote_method", agent)
+    observer = rl.Observer(seed)
+    firsts = []
+    for _ in range(episodes):
+        seen.clear()
+        observer.run_episode(agent_rref=None, n_steps=rl.TOTAL_EPISODE_STEP)
+        firsts.append(seen[0])
+    return firsts
 
 
 def test_each_observer_seeds_its_environment_from_the_seed_and_its_rank(monkeypatch):
-    def observer(rank, seed):
-        monkeypatch.setattr(rl.rpc, "get_worker_info", lambda: SimpleNamespace(id=rank))
-        return rl.Observer(seed)
-
-    first = observer(1, seed=7).reset()
+    (first,) = play_one_episode(monkeypatch, rank=1, seed=7)
     assert np.array_equal(first, gym.make("CartPole-v1").reset(seed=8)[0])
-    assert np.array_equal(first, observer(1, seed=7).reset())  # repeatable
-    assert not np.array_equal(first, observer(2, seed=7).reset())  # another observer
-    assert not np.array_equal(first, observer(1, seed=8).reset())  # another seed
-    again = observer(1, seed=7)
-    again.reset()
-    assert not np.array_equal(first, again.reset())  # later episodes are not replays
+    assert np.array_equal(first, play_one_episode(monkeypatch, 1, seed=7)[0])  # repeatable
+    assert not np.array_equal(first, play_one_episode(monkeypatch, 2, seed=7)[0])  # observer
+    assert not np.array_equal(first, play_one_episode(monkeypatch, 1, seed=8)[0])  # seed
+    again = play_one_episode(monkeypatch, 1, seed=7, episodes=2)
+    assert not np.array_equal(again[0], again[1])  # later episodes are not replays
 
 
 # --------- The batching agent, in-process over a one-worker RPC world --------------------
@@ -81,22 +97,20 @@ class CountingPolicy(torch.nn.Module):
         return torch.stack([1 - right, right], dim=1)
 
 
-# init_rpc's own deprecation warning (see KNOWN_HARMLESS_WARNINGS in main.py).
-in_rpc_world = pytest.mark.filterwarnings("ignore:.*as a ProcessGroup. This usage is deprecated")
-
-
 @pytest.fixture(scope="module")
 def rpc_world():
-    """This test process as the only worker, named like the agent, listening on loopback."""
+    """This test process as the only worker, named like the agent, listening on loopback; the
+    plain module names (batch, main) are rl_cartpole's, for RPC's pickles."""
     saved = {name: os.environ.get(name) for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
     os.environ["TP_SOCKET_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     # TCP only: TensorPipe's shared-memory transport keeps a thread polling, at full speed, for
     # as long as RPC is up in this process, which would slow down the tests that come after.
     options = rpc.TensorPipeRpcBackendOptions(
         init_method=f"tcp://127.0.0.1:{find_free_port()}", rpc_timeout=20, _transports=["uv"])
-    rpc.init_rpc(rl.AGENT_NAME, rank=0, world_size=1, rpc_backend_options=options)
-    yield
-    rpc.shutdown()
+    with example_modules("rl_cartpole"):
+        rpc.init_rpc(rl.AGENT_NAME, rank=0, world_size=1, rpc_backend_options=options)
+        yield
+        rpc.shutdown()
     for name, value in saved.items():
         if value is None:
             os.environ.pop(name, None)
@@ -107,10 +121,10 @@ def rpc_world():
 @pytest.fixture
 def batching_agent(rpc_world):
     """An agent in --batch mode at the start of an episode of three observers (ids 1, 2, 3)."""
-    agent = rl.Agent(world_size=1, seed=1, gamma=0.99, batch=True)
+    agent = rl_batch.BatchAgent(world_size=1, args=SimpleNamespace(seed=1, gamma=0.99))
     agent.policy = CountingPolicy()
     for ob_id in (1, 2, 3):
-        agent.rewards[ob_id], agent.saved_log_probs[ob_id] = [], []
+        agent.rewards[ob_id] = []
     agent.playing = 3
     return agent
 
@@ -118,10 +132,10 @@ def batching_agent(rpc_world):
 def ask_for_action(ob_id, first_value):
     """What observer `ob_id` sends in --batch mode, from this process."""
     state = np.array([first_value, 0.0, 0.0, 0.0], dtype=np.float32)
-    return rpc.rpc_async(rl.AGENT_NAME, rl.Agent.select_action_batch, args=(ob_id, state))
+    return rpc.rpc_async(rl.AGENT_NAME, rl_batch.BatchAgent.select_action_batch,
+                         args=(ob_id, state))
 
 
-@in_rpc_world
 def test_one_forward_pass_answers_every_observer_with_its_own_action(batching_agent):
     agent = batching_agent
     first = ask_for_action(2, -1.0)
@@ -140,7 +154,6 @@ def test_one_forward_pass_answers_every_observer_with_its_own_action(batching_ag
     assert len(agent.policy.batches) == 2
 
 
-@in_rpc_world
 def test_a_finished_observer_is_no_longer_waited_for(batching_agent):
     agent = batching_agent
     waiting = [ask_for_action(1, 1.0), ask_for_action(3, -1.0)]
@@ -153,30 +166,32 @@ def test_a_finished_observer_is_no_longer_waited_for(batching_agent):
     assert agent.rewards[2] == [1.0, 1.0] and agent.playing == 2
 
 
-@in_rpc_world
 def test_the_batched_update_is_the_tutorials_update(rpc_world):
-    """--batch keeps one tensor per forward pass and puts its rows in order at the end of the
-    episode; the update must be the one the tutorial makes from per-observer lists of the same
-    log-probabilities. Three observers whose episodes end after 2, 1 and 3 steps."""
+    """The batched agent keeps one tensor per forward pass and puts its rows in order at the end
+    of the episode; its update must be the one the tutorial's agent makes from per-observer
+    lists of the same log-probabilities. Three observers whose episodes end after 2, 1 and 3
+    steps. The batched agent's policy is on the GPU where there is one."""
     passes = [[1, 2, 3], [1, 3], [3]]  # the observers each forward pass acts for
     rewards = {1: [1.0, 1.0], 2: [1.0], 3: [1.0, 1.0, 1.0]}
     torch.manual_seed(3)
     states = {ob_id: torch.randn(len(steps), 4) for ob_id, steps in rewards.items()}
+    args = SimpleNamespace(seed=1, gamma=0.9)
     agents = {}
     for batch in (False, True):
         torch.manual_seed(1)  # the same initial policy for both
-        agent = agents[batch] = rl.Agent(world_size=1, seed=1, gamma=0.9, batch=batch)
+        agent = agents[batch] = (rl_batch.BatchAgent if batch else rl.Agent)(1, args)
+        device = next(agent.policy.parameters()).device
         agent.policy.eval()  # no dropout, so that both forward passes agree
         taken = dict.fromkeys(rewards, 0)
         for ob_ids in passes:
-            rows = torch.stack([states[ob_id][taken[ob_id]] for ob_id in ob_ids])
+            rows = torch.stack([states[ob_id][taken[ob_id]] for ob_id in ob_ids]).to(device)
             for ob_id in ob_ids:
                 taken[ob_id] += 1
             m = Categorical(agent.policy(rows))
-            log_probs = m.log_prob(torch.tensor([0, 1, 1][:len(ob_ids)]))
+            log_probs = m.log_prob(torch.tensor([0, 1, 1][:len(ob_ids)], device=device))
             if batch:
                 agent.saved_batches.append((ob_ids, log_probs))
-            else:  # the same log-probabilities, filed per observer as tutorial mode files them
+            else:  # the same log-probabilities, filed per observer as the tutorial files them
                 for row, ob_id in enumerate(ob_ids):
                     agent.saved_log_probs.setdefault(ob_id, []).append(log_probs[row:row + 1])
         agent.rewards = {ob_id: list(r) for ob_id, r in rewards.items()}
@@ -184,9 +199,9 @@ def test_the_batched_update_is_the_tutorials_update(rpc_world):
     assert agents[True].env_steps == agents[False].env_steps == 6
     for tutorial, batched in zip(agents[False].policy.parameters(),
                                  agents[True].policy.parameters(), strict=True):
-        assert torch.allclose(tutorial, batched, atol=1e-7)
+        assert torch.allclose(tutorial, batched.cpu(), atol=1e-6)
     torch.manual_seed(1)
-    assert not torch.allclose(rl.Policy().affine1.weight, agents[True].policy.affine1.weight)
+    assert not torch.allclose(rl.Policy().affine1.weight, agents[False].policy.affine1.weight)
 
 
 # --------- Command line, in-process --------------------

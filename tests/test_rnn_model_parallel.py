@@ -13,7 +13,9 @@ import torch
 import torch.nn as nn
 from conftest import find_free_port, load_example, start_example
 
-rnn = load_example("rnn_model_parallel")
+rnn_main = load_example("rnn_model_parallel")
+rnn = load_example("rnn_model_parallel", "rnn")
+rnn_data = load_example("rnn_model_parallel", "data")
 
 # Short but long enough to learn: 4 epochs of the synthetic task are 532 iterations, after
 # which the loss is at 0.40-0.45 of its first epoch's (seen with seeds 1 to 3). The run with one
@@ -32,17 +34,16 @@ def test_embedding_table_goes_to_the_first_gpu_if_any(gpu_count, expected):
 
 
 def test_embedding_table_sends_cpu_tensors_back():
-    if torch.cuda.device_count():
-        pytest.skip("this machine has GPUs")
+    """Wherever the table is (a GPU if there is one), RPC gets CPU tensors."""
     table = rnn.EmbeddingTable(ntoken=10, ninp=2, dropout=0.5)
     emb = table(torch.randint(10, (5, 3)))
     assert emb.shape == (5, 3, 2) and emb.device == torch.device("cpu")
 
 
 def test_synthetic_tokens_count_up_and_restart_at_random():
-    tokens = rnn.synthetic_tokens(5000, 10, seed=3)
-    assert torch.equal(tokens, rnn.synthetic_tokens(5000, 10, seed=3))
-    assert not torch.equal(tokens, rnn.synthetic_tokens(5000, 10, seed=4))
+    tokens = rnn_data.synthetic_tokens(5000, 10, seed=3)
+    assert torch.equal(tokens, rnn_data.synthetic_tokens(5000, 10, seed=3))
+    assert not torch.equal(tokens, rnn_data.synthetic_tokens(5000, 10, seed=4))
     assert 0 <= tokens.min() and tokens.max() < 10
     follows_rule = (tokens[1:] == (tokens[:-1] + 1) % 10).float().mean().item()
     assert abs(follows_rule - 0.91) < 0.02  # 0.9 kept, plus the restarts that land right
@@ -51,39 +52,39 @@ def test_synthetic_tokens_count_up_and_restart_at_random():
 def test_lowest_possible_synthetic_loss():
     # The next token is the counted one with probability 0.91, each other with 0.01.
     expected = -(0.91 * math.log(0.91) + 9 * 0.01 * math.log(0.01))
-    assert rnn.best_synthetic_loss(10, 0.1) == pytest.approx(expected)
-    assert rnn.best_synthetic_loss(10, 0.1) == pytest.approx(0.5003, abs=1e-4)
+    assert rnn_data.best_synthetic_loss(10, 0.1) == pytest.approx(expected)
+    assert rnn_data.best_synthetic_loss(10, 0.1) == pytest.approx(0.5003, abs=1e-4)
 
 
 def test_tokenize_marks_line_ends():
-    assert rnn.tokenize("the cat  sat\n\non the mat\n") == [
+    assert rnn_data.tokenize("the cat  sat\n\non the mat\n") == [
         "the", "cat", "sat", "<eos>", "<eos>", "on", "the", "mat", "<eos>"]
 
 
 def test_corpus_vocabulary_in_order_of_first_use(tmp_path):
     path = tmp_path / "text.txt"
     path.write_text("a rose is\na rose\n")
-    vocabulary, ids = rnn.load_corpus(path)
+    vocabulary, ids = rnn_data.load_corpus(path)
     assert vocabulary == ["a", "rose", "is", "<eos>"]
     assert ids.tolist() == [0, 1, 2, 3, 0, 1, 3]
 
 
 def test_batchify_makes_one_column_per_sequence():
-    source = rnn.batchify(torch.arange(23), 4)
+    source = rnn_data.batchify(torch.arange(23), 4)
     assert source.shape == (5, 4)  # 23 // 4 = 5 steps each, 3 tokens dropped
     assert source[:, 1].tolist() == [5, 6, 7, 8, 9]
 
 
 def test_targets_are_the_next_tokens_at_every_position():
-    source = rnn.batchify(torch.arange(24), 2)  # columns 0..11 and 12..23
-    windows = list(rnn.get_next_batch(source, bptt=5))
+    source = rnn_data.batchify(torch.arange(24), 2)  # columns 0..11 and 12..23
+    windows = list(rnn_data.next_token_windows(source, bptt=5))
     assert [data.shape for data, _ in windows] == [(5, 2), (5, 2), (1, 2)]
     for data, target in windows:
         assert target.shape == data.shape
         assert torch.equal(target, data + 1)
     steps = torch.cat([data for data, _ in windows])
     assert torch.equal(steps, source[:-1])  # every position but the last is an input once
-    assert len(list(rnn.get_next_batch(source, bptt=5, max_batches=2))) == 2
+    assert len(list(rnn_data.next_token_windows(source, bptt=5, max_batches=2))) == 2
 
 
 def test_one_prediction_per_position_enters_the_loss():
@@ -92,7 +93,8 @@ def test_one_prediction_per_position_enters_the_loss():
     ntoken, seq_len, batch = 10, 5, 3
     table, rnn_layers = rnn.EmbeddingTable(ntoken, 2, 0.0), nn.LSTM(2, 3, 1)
     decoder = rnn.Decoder(ntoken, 3, 0.0)
-    data, target = next(rnn.get_next_batch(torch.randint(ntoken, (seq_len + 1, batch)), seq_len))
+    tokens = torch.randint(ntoken, (seq_len + 1, batch))
+    data, target = next(rnn_data.next_token_windows(tokens, seq_len))
     output, _ = rnn_layers(table(data))
     decoded = decoder(output)
     assert decoded.shape == (seq_len, batch, ntoken)
@@ -101,8 +103,8 @@ def test_one_prediction_per_position_enters_the_loss():
 
 
 def test_worker_names():
-    assert [rnn.worker_name(rank, 2) for rank in range(2)] == ["ps", "trainer"]
-    assert [rnn.worker_name(rank, 4) for rank in range(4)] == [
+    assert [rnn_main.worker_name(rank, 2) for rank in range(2)] == ["ps", "trainer"]
+    assert [rnn_main.worker_name(rank, 4) for rank in range(4)] == [
         "ps", "trainer1", "trainer2", "trainer3"]
 
 
@@ -110,7 +112,7 @@ def test_worker_names():
 
 def bad_input_message(capsys, argv):
     with pytest.raises(SystemExit) as exited:
-        rnn.parse_args(["--master_port", str(find_free_port()), *argv])
+        rnn_main.parse_args(["--master_port", str(find_free_port()), *argv])
     err = capsys.readouterr().err
     assert exited.value.code == 2
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -150,7 +152,7 @@ def test_corpus_folder_is_bad_input(tmp_path, capsys):
 
 
 def test_ps_needs_no_corpus():
-    args = rnn.parse_args(["--rank", "0", "--master_port", str(find_free_port()),
+    args = rnn_main.parse_args(["--rank", "0", "--master_port", str(find_free_port()),
                            "--corpus", "/only/on/the/trainers/machine.txt"])
     assert args.rank == 0
 
@@ -159,14 +161,14 @@ def test_busy_port_names_the_port_and_the_flag(capsys):
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
         with pytest.raises(SystemExit):
-            rnn.parse_args(["--master_port", str(port)])
+            rnn_main.parse_args(["--master_port", str(port)])
     err = capsys.readouterr().err
     assert str(port) in err and "--master_port" in err
 
 
 def test_help_shows_the_tutorial_sizes_and_the_corpus_sizes(capsys):
     with pytest.raises(SystemExit) as exited:
-        rnn.parse_args(["--help"])
+        rnn_main.parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert exited.value.code == 0
     for default in ("--world_size N, --world-size N total number of processes: ps (rank 0) and "
@@ -179,10 +181,13 @@ def test_help_shows_the_tutorial_sizes_and_the_corpus_sizes(capsys):
 
 # --------- Whole runs --------------------
 
-def epoch_lines(output):
-    """(epoch, loss, perplexity) of every `Training epoch` line."""
-    return [(int(epoch), float(loss), float(ppl)) for epoch, loss, ppl in re.findall(
-        r"^Training epoch (\d+) loss (\S+) perplexity (\S+)$", output, re.M)]
+def epoch_lines(output, trainer="trainer"):
+    """(epoch, loss, perplexity) of every epoch, from the line printed after the tutorial's
+    `Training epoch N`, which must come first."""
+    figures = re.findall(rf"^Training epoch (\d+)\n{trainer}: epoch (\d+) loss (\S+) "
+                         rf"perplexity (\S+)$", output, re.M)
+    assert all(tutorial == ours for tutorial, ours, _, _ in figures)
+    return [(int(epoch), float(loss), float(ppl)) for _, epoch, loss, ppl in figures]
 
 
 def write_small_text(path):
@@ -238,7 +243,8 @@ def finished(tmp_path_factory):
 def test_spawn_all_runs_the_tutorials_loop(finished):
     (run,), summary = finished[0]["spawn_all"], finished[1]["spawn_all"]
     assert run.returncode == 0, run.output
-    assert "Embedding table on ps (cpu), LSTM local, decoder on ps" in run.stdout
+    device = rnn.choose_embedding_device(torch.cuda.device_count())
+    assert f"Embedding table on ps ({device}), LSTM local, decoder on ps" in run.stdout
     assert [epoch for epoch, _, _ in epoch_lines(run.stdout)] == [0, 1, 2, 3]
     assert summary["trainers"] == 1 and summary["ntoken"] == 10
     assert summary["iterations"] == 4 * 133
@@ -252,7 +258,7 @@ def test_spawn_all_learned_the_synthetic_task(finished):
     assert 2.0 < losses[0] < 2.4  # ln 10 = 2.30: guessing
     assert losses[-1] < 0.6 * losses[0], losses
     assert summary["last_loss"] == summary["per_trainer"]["trainer"]["losses"][-1]
-    assert summary["last_loss"] > rnn.best_synthetic_loss(10, 0.1)
+    assert summary["last_loss"] > rnn_data.best_synthetic_loss(10, 0.1)
 
 
 def test_ranks_as_separate_commands_give_the_same_losses_for_the_same_seed(finished):

@@ -1,0 +1,96 @@
+"""The model of the tutorial's distributed RNN (`rnn.RNNModel`): word_language_model's RNN in
+three parts, the embedding table and the decoder on the parameter server, the LSTM local."""
+
+import torch
+import torch.distributed.rpc as rpc
+import torch.nn as nn
+from torch.distributed.rpc import RRef
+
+
+def choose_embedding_device(gpu_count):
+    """cuda:0 when the machine has a GPU, as in the tutorial, else the CPU. gpu_count is a
+    parameter so that tests can fake it."""
+    return torch.device("cuda:0" if gpu_count > 0 else "cpu")
+
+
+class EmbeddingTable(nn.Module):
+    """The encoder of RNNModel: an embedding table, on a GPU if there is one."""
+    def __init__(self, ntoken, ninp, dropout):
+        super().__init__()
+        self.device = choose_embedding_device(torch.cuda.device_count())
+        self.drop = nn.Dropout(dropout)
+        self.encoder = nn.Embedding(ntoken, ninp).to(self.device)
+        self.encoder.weight.data.uniform_(-0.1, 0.1)
+
+    def forward(self, input):
+        # RPC hands over CPU tensors: indices in from the CPU, embeddings back to it.
+        return self.drop(self.encoder(input.to(self.device))).cpu()
+
+    def get_device(self):
+        return str(self.device)
+
+
+class Decoder(nn.Module):
+    def __init__(self, ntoken, nhid, dropout):
+        super().__init__()
+        self.drop = nn.Dropout(dropout)
+        self.decoder = nn.Linear(nhid, ntoken)
+        self.decoder.bias.data.zero_()
+        self.decoder.weight.data.uniform_(-0.1, 0.1)
+
+    def forward(self, output):
+        return self.decoder(self.drop(output))
+
+
+# Runs on the owner of rref: the method, called on the object that rref holds.
+def _call_method(method, rref, *args, **kwargs):
+    return method(rref.local_value(), *args, **kwargs)
+
+
+# Calls the method on the object that rref holds, on its owner, and returns the result.
+def _remote_method(method, rref, *args, **kwargs):
+    args = [method, rref] + list(args)
+    return rpc.rpc_sync(rref.owner(), _call_method, args=args, kwargs=kwargs)
+
+
+# An RRef to each parameter of a local module, for DistributedOptimizer.
+def _parameter_rrefs(module):
+    param_rrefs = []
+    for param in module.parameters():
+        param_rrefs.append(RRef(param))
+    return param_rrefs
+
+
+class RNNModel(nn.Module):
+    """word_language_model's RNN, with the embedding table and the decoder on the parameter
+    server `ps` and the LSTM here."""
+    def __init__(self, ps, ntoken, ninp, nhid, nlayers, dropout=0.5):
+        super().__init__()
+
+        # setup embedding table remotely
+        self.emb_table_rref = rpc.remote(ps, EmbeddingTable, args=(ntoken, ninp, dropout))
+        # Wait for the table to exist (by asking where it is) before creating the decoder, so
+        # that ps draws their random weights in the same order in every run.
+        self.table_device = _remote_method(EmbeddingTable.get_device, self.emb_table_rref)
+        # setup LSTM locally
+        self.rnn = nn.LSTM(ninp, nhid, nlayers, dropout=dropout)
+        # setup decoder remotely
+        self.decoder_rref = rpc.remote(ps, Decoder, args=(ntoken, nhid, dropout))
+
+    def forward(self, input, hidden):
+        # pass input to the remote embedding table and fetch emb tensor back
+        emb = _remote_method(EmbeddingTable.forward, self.emb_table_rref, input)
+        output, hidden = self.rnn(emb, hidden)
+        # pass output to the remote decoder and get the decoded output back
+        decoded = _remote_method(Decoder.forward, self.decoder_rref, output)
+        return decoded, hidden
+
+    def parameter_rrefs(self):
+        remote_params = []
+        # get RRefs of embedding table
+        remote_params.extend(_remote_method(_parameter_rrefs, self.emb_table_rref))
+        # create RRefs for local parameters
+        remote_params.extend(_parameter_rrefs(self.rnn))
+        # get RRefs of decoder
+        remote_params.extend(_remote_method(_parameter_rrefs, self.decoder_rref))
+        return remote_params
