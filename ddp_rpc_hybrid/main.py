@@ -99,7 +99,7 @@ def _run_trainer(emb_rref, rank, args):
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this RPC thread's current device, for NCCL and DDP
 
-    # Setup the model.
+    # the model: the table on ps, the dense layer here under DDP
     model = HybridModel(emb_rref, device)
 
     # RRefs to every parameter, for DistributedOptimizer: the table's, from ps,
@@ -110,7 +110,7 @@ def _run_trainer(emb_rref, rank, args):
     for param in model.parameters():
         model_parameter_rrefs.append(RRef(param))
 
-    # Setup distributed optimizer
+    # the distributed optimizer, over both
     opt = DistributedOptimizer(
         optim.SGD,
         model_parameter_rrefs,
@@ -123,16 +123,16 @@ def _run_trainer(emb_rref, rank, args):
     epoch_losses, started = [], time.perf_counter()
     for epoch in range(args.epochs):
         losses = []
-        # create distributed autograd context
         for indices, offsets, target in get_next_batch(rng, args.batches_per_epoch, device):
+            # each iteration in a distributed autograd context of its own
             with dist_autograd.context() as context_id:
                 output = model(indices, offsets)
                 loss = criterion(output, target)
 
-                # Run distributed backward pass
+                # the backward pass, across ps and the trainers
                 dist_autograd.backward(context_id, [loss])
 
-                # Run distributed optimizer
+                # the step, where each parameter lives
                 opt.step(context_id)
 
                 # No zero_grad: each iteration's context holds its own gradients.
@@ -151,7 +151,7 @@ def run_worker(rank, world_size, args):
     if rank == num_trainers:
         launch.init_rpc_with_timeout("master", rank=rank, world_size=world_size)
 
-        # Build the embedding table on the ps.
+        # the embedding table, built on ps
         emb_rref = rpc.remote(
             "ps",
             torch.nn.EmbeddingBag,
@@ -168,30 +168,30 @@ def run_worker(rank, world_size, args):
                 trainer_name, _run_trainer, args=(emb_rref, trainer_rank, args), timeout=0)
             futs.append(fut)
 
-        # Wait for all training to finish.
+        # wait until every trainer is done
         results = {f"trainer{r}": fut.wait() for r, fut in enumerate(futs)}
         table_after = rpc.rpc_sync("ps", _get_embedding_weights, args=(emb_rref,))
         launch.finish_and_shutdown()
         write_summary(args, results, table_before, table_after)
     elif rank < num_trainers:
-        # Initialize process group for Distributed DataParallel on trainers.
+        # the trainers' own process group, for DDP
         backend, device = choose_backend_and_device(rank, num_trainers, torch.cuda.device_count())
         if device.type == "cuda":
             torch.cuda.set_device(device)
         launch.init_process_group_with_timeout(
             f"trainer{rank}", backend=backend, rank=rank, world_size=num_trainers)
 
-        # Initialize RPC.
+        # then RPC with everyone
         trainer_name = "trainer{}".format(rank)
         launch.init_rpc_with_timeout(trainer_name, rank=rank, world_size=world_size)
 
-        # Trainer just waits for RPCs from master.
+        # the training loop arrives from the master, as an RPC
         launch.finish_and_shutdown()
         dist.destroy_process_group()
     else:
         torch.manual_seed(args.seed)  # the table's initial weights
         launch.init_rpc_with_timeout("ps", rank=rank, world_size=world_size)
-        # parameter server do nothing
+        # ps only answers the calls of the master and the trainers
         launch.finish_and_shutdown()
 
 

@@ -45,10 +45,10 @@ class Net(nn.Module):
         self.num_gpus = num_gpus
         device, rest_device = choose_devices(num_gpus, torch.cuda.device_count())
         print(f"Putting first 2 convs on {str(device)}")
-        # Put conv layers on the first cuda device, or CPU if no cuda device
+        # the convolutions on the first GPU, or the CPU
         self.conv1 = nn.Conv2d(1, 32, 3, 1).to(device)
         self.conv2 = nn.Conv2d(32, 64, 3, 1).to(device)
-        # Put rest of the network on the 2nd cuda device, if there is one
+        # the rest on the second GPU if two are asked for
         device = rest_device
 
         print(f"Putting rest of layers on {str(device)}")
@@ -65,7 +65,7 @@ class Net(nn.Module):
 
         x = self.dropout1(x)
         x = torch.flatten(x, 1)
-        # Move tensor to next device if necessary
+        # to the device of the layers that follow, if it is another
         next_device = next(self.fc1.parameters()).device
         x = x.to(next_device)
 
@@ -79,20 +79,14 @@ class Net(nn.Module):
 
 # --------- Helper Methods --------------------
 
-# On the local node, call a method with first arg as the value held by the
-# RRef. Other args are passed in as arguments to the function called.
-# Useful for calling instance methods.
+# Runs on the owner of rref: calls the method on the object that rref holds, with the
+# other arguments.
 def call_method(method, rref, *args, **kwargs):
     return method(rref.local_value(), *args, **kwargs)
 
 
-# Given an RRef, return the result of calling the passed in method on the value
-# held by the RRef. This call is done on the remote node that owns
-# the RRef. args and kwargs are passed into the method.
-# Example: If the value held by the RRef is of type Foo, then
-# remote_method(Foo.bar, rref, arg1, arg2) is equivalent to calling
-# <foo_instance>.bar(arg1, arg2) on the remote node and getting the result
-# back.
+# Calls the method on the object that rref holds, on the worker that owns it, and returns
+# the result: remote_method(Foo.bar, rref, arg) runs <that Foo>.bar(arg) there.
 def remote_method(method, rref, *args, **kwargs):
     args = [method, rref] + list(args)
     return rpc.rpc_sync(rref.owner(), call_method, args=args, kwargs=kwargs)
@@ -117,48 +111,39 @@ class ParameterServer(nn.Module):
             self.model.train(training)
             weights = {name: param.clone() for name, param in self.model.named_parameters()}
             out = torch.func.functional_call(self.model, weights, (inp,))
-        # This output is forwarded over RPC, which as of 1.5.0 only accepts CPU tensors.
-        # Tensors must be moved in and out of GPU memory due to this.
+        # RPC (without device maps) carries CPU tensors: the output goes back from the CPU.
         out = out.to("cpu")
         return out
 
-    # Use dist autograd to retrieve gradients accumulated for this model.
-    # Primarily used for verification.
+    # The gradients that distributed autograd gathered here in context cid: a check.
     def get_dist_gradients(self, cid):
         grads = dist_autograd.get_gradients(cid)
         # Only their norms go back: the check needs to know that they exist, not the whole model.
         return [grad.norm().item() for grad in grads.values()]
 
-    # Wrap local parameters in a RRef. Needed for building the
-    # DistributedOptimizer which optimizes paramters remotely.
+    # An RRef to each parameter, for the trainers' DistributedOptimizer.
     def get_param_rrefs(self):
         param_rrefs = [rpc.RRef(param) for param in self.model.parameters()]
         return param_rrefs
 
 
-# The global parameter server instance.
+# This process's one parameter server, and the lock that keeps it to one.
 param_server = None
-# A lock to ensure we only have one parameter server.
 global_lock = Lock()
 
 
 def get_parameter_server(num_gpus=0):
-    """
-    Returns a singleton parameter server to all trainer processes
-    """
+    """The one ParameterServer of this process, built on the first call."""
     global param_server
-    # Ensure that we get only one handle to the ParameterServer.
     with global_lock:
         if not param_server:
-            # construct it once
             param_server = ParameterServer(num_gpus=num_gpus)
         return param_server
 
 
 def run_parameter_server(rank, world_size, args):
-    # The parameter server just acts as a host for the model and responds to
-    # requests from trainers.
-    # Built here, from the server's own --num_gpus, before any trainer asks for it.
+    # The server only hosts the model and answers the trainers. It builds the model now, from
+    # its own --num_gpus, before any trainer asks for it.
     get_parameter_server(num_gpus=args.num_gpus)
     print("PS master initializing RPC")
     launch.init_rpc_with_timeout("parameter_server", rank=rank, world_size=world_size)
@@ -171,9 +156,7 @@ def run_parameter_server(rank, world_size, args):
 
 # --------- Trainers --------------------
 
-# nn.Module corresponding to the network trained by this trainer. The
-# forward() method simply invokes the network on the given parameter
-# server.
+# The network as a trainer sees it: its forward() runs the model on the parameter server.
 class TrainerNet(nn.Module):
     def __init__(self, num_gpus=0):
         super().__init__()
@@ -195,8 +178,7 @@ class TrainerNet(nn.Module):
 
 
 def run_training_loop(rank, num_gpus, train_loader, test_loader, args):
-    # Runs the typical neural network forward + backward + optimizer step, but
-    # in a distributed fashion.
+    # The usual forward, backward and optimizer step, each reaching the server.
     net = TrainerNet(num_gpus=num_gpus)
     # Build DistributedOptimizer.
     param_rrefs = net.get_global_param_rrefs()
@@ -213,8 +195,8 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, args):
                 if i % args.log_interval == 0:
                     print(f"Rank {rank} training batch {i} loss {loss.item()}")
                 dist_autograd.backward(cid, [loss])
-                # Ensure that dist autograd ran successfully and gradients were
-                # returned (on the logged batches: it is a check, not training).
+                # Check that distributed autograd left gradients on the server (on
+                # logged batches only: a check, not part of training).
                 if i % args.log_interval == 0:
                     assert remote_method(
                         ParameterServer.get_dist_gradients,

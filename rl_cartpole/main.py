@@ -66,13 +66,13 @@ class Observer:
         state, _ = self.env.reset(seed=self.seed)
         self.seed = None  # later resets go on from the seeded generator
         for _ in range(n_steps):
-            # send the state to the agent to get an action
+            # ask the agent for an action for this state
             action = _remote_method(Agent.select_action, agent_rref, self.id, state)
 
-            # apply the action to the environment, and get the reward
+            # take it in the environment, and get the reward
             state, reward, terminated, truncated, _ = self.env.step(action)
 
-            # report the reward to the agent for training purpose
+            # give the agent the reward, to train on
             _remote_method(Agent.report_reward, agent_rref, self.id, reward)
 
             if terminated or truncated:
@@ -125,7 +125,7 @@ class Agent:
     def run_episode(self, n_steps=0):
         futs = []
         for ob_rref in self.ob_rrefs:
-            # make async RPC to kick off an episode on all observers
+            # start an episode on every observer, without waiting for it
             futs.append(
                 rpc_async(
                     ob_rref.owner(),
@@ -134,7 +134,7 @@ class Agent:
                 )
             )
 
-        # wait until all obervers have finished this episode
+        # then wait until every observer has finished its episode
         for fut in futs:
             fut.wait()
 
@@ -145,11 +145,11 @@ class Agent:
             probs.extend(self.saved_log_probs[ob_id])
             rewards.append(self.rewards[ob_id])
 
-        # use the minimum observer reward to calculate the running reward
+        # the running reward follows the shortest of the observers' episodes
         min_reward = min([sum(self.rewards[ob_id]) for ob_id in self.rewards])
         self.running_reward = 0.05 * min_reward + (1 - 0.05) * self.running_reward
 
-        # clear saved probs and rewards
+        # start the next episode with empty lists
         for ob_id in self.rewards:
             self.rewards[ob_id] = []
             self.saved_log_probs[ob_id] = []
@@ -174,7 +174,7 @@ TOTAL_EPISODE_STEP = gym.spec('CartPole-v1').max_episode_steps
 
 def run_worker(rank, world_size, args, agent_class=Agent):
     if rank == 0:
-        # rank0 is the agent
+        # rank 0 is the agent
         launch.init_rpc_with_timeout(AGENT_NAME, rank=rank, world_size=world_size)
         torch.manual_seed(args.seed)
         torch.set_num_threads(1)  # a policy this small gains nothing from more threads
@@ -199,10 +199,9 @@ def run_worker(rank, world_size, args, agent_class=Agent):
         launch.finish_and_shutdown()
         write_summary(args, agent, i_episode, last_reward, seconds)
     else:
-        # other ranks are the observer
+        # the other ranks are observers
         launch.init_rpc_with_timeout(OBSERVER_NAME.format(rank), rank=rank, world_size=world_size)
-        # observers passively waiting for instructions from the agent
-        # block until all rpcs finish, and shutdown the RPC instance
+        # an observer only answers the agent's calls, until every rank is done
         launch.finish_and_shutdown()
 
 

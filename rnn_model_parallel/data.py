@@ -61,6 +61,19 @@ def load_corpus(path):
     return list(word_to_id), torch.tensor([word_to_id[word] for word in words])
 
 
+def check_corpus(path, batch_size):
+    """None if the file at path can serve as a corpus for batch_size sequences, else a one-line
+    reason. Runs once, before any rank starts."""
+    try:
+        _, tokens = load_corpus(path)
+    except ValueError as err:
+        return str(err)
+    if len(tokens) < 2 * batch_size:
+        return (f"--corpus {path}: {len(tokens)} words (counting <eos>) are too few for "
+                f"--batch_size {batch_size}; need at least {2 * batch_size}")
+    return None
+
+
 def batchify(data, batch_size):
     """Cut a token stream into batch_size sequences of equal length, one per column (the
     remainder is dropped), as word_language_model does: (length, batch_size)."""

@@ -1,14 +1,7 @@
-"""Getting Started with Distributed RPC Framework, the distributed RNN part: the tutorial's
-code, runnable.
-
-Rank 0 (`ps`) holds the embedding table and the decoder of rnn.RNNModel; the trainer holds the
-LSTM and trains all three through RPC, distributed autograd and DistributedOptimizer. README.md
-says what differs from the tutorial and why; launch.py starts the ranks and bounds every wait;
-data.py holds the data.
-
-    python main.py                                  # every rank on this machine
-    python main.py --rank 1                         # one rank per terminal
-"""
+"""Getting Started with Distributed RPC Framework, the distributed RNN: the tutorial's code,
+runnable. ps (rank 0) holds the embedding table and the decoder of rnn.RNNModel, the trainer the
+LSTM. README.md says what differs from the tutorial and why; launch.py starts the ranks and
+bounds every wait; data.py holds the data. `python main.py`, or `--rank R` in each terminal."""
 
 import math
 import time
@@ -20,7 +13,7 @@ from torch.distributed.optim import DistributedOptimizer
 
 import launch
 import rnn
-from data import SYNTHETIC_NTOKEN, batchify, load_corpus, next_token_windows, training_data
+from data import SYNTHETIC_NTOKEN, batchify, check_corpus, next_token_windows, training_data
 
 
 def _run_trainer(name, args):
@@ -38,7 +31,7 @@ def _run_trainer(name, args):
     model = rnn.RNNModel('ps', ntoken, ninp, nhid, nlayers, args.dropout)
     print(f"Embedding table on ps ({model.table_device}), LSTM local, decoder on ps")
 
-    # setup distributed optimizer
+    # the distributed optimizer, over the parameters on ps and here
     opt = DistributedOptimizer(
         optim.SGD,
         model.parameter_rrefs(),
@@ -55,15 +48,15 @@ def _run_trainer(name, args):
     for epoch in range(args.epochs):
         loss_sum, targets = 0.0, 0
         for data, target in get_next_batch():
-            # create distributed autograd context
+            # each iteration in a distributed autograd context of its own
             with dist_autograd.context() as context_id:
                 hidden[0].detach_()
                 hidden[1].detach_()
                 output, hidden = model(data, hidden)
                 loss = criterion(output.view(-1, ntoken), target.view(-1))
-                # run distributed backward pass
+                # the backward pass, across ps and this trainer
                 dist_autograd.backward(context_id, [loss])
-                # run distributed optimizer
+                # the step, where each parameter lives
                 opt.step(context_id)
                 # no zero_grad: each iteration's context holds its own gradients
             loss_sum, targets = loss_sum + loss.item() * target.numel(), targets + target.numel()
@@ -84,10 +77,10 @@ def run_worker(rank, world_size, args):
     else:
         torch.manual_seed(args.seed)  # the weights and the dropout of the parts on ps
         launch.init_rpc_with_timeout("ps", rank=rank, world_size=world_size)
-        # parameter server does nothing
+        # ps only hosts the parts the trainers create there, and answers their calls
         report = None
 
-    # block until all rpcs finish
+    # wait until every rank is done, then shut RPC down
     reports = launch.finish_and_shutdown(report)
     if rank == 0:
         write_summary(args, reports)
@@ -102,34 +95,26 @@ def worker_name(rank, world_size):
 
 def write_summary(args, reports):
     """The run's figures, from what each trainer reported when it finished."""
-    trainers = {name: report for name, report in sorted(reports.items()) if report}
-    first_loss = sum(r["losses"][0] for r in trainers.values()) / len(trainers)
-    last_loss = sum(r["losses"][-1] for r in trainers.values()) / len(trainers)
+    losses = {name: report["losses"] for name, report in sorted(reports.items()) if report}
+    first, last = (sum(ls[i] for ls in losses.values()) / len(losses) for i in (0, -1))
+    reports = [report for report in reports.values() if report]
     launch.write_summary(
         {"example": "rnn_model_parallel", "data": args.corpus or "synthetic",
-         "ntoken": next(iter(trainers.values()))["ntoken"], "world_size": args.world_size,
-         "trainers": len(trainers), "epochs": args.epochs,
-         "first_loss": first_loss, "last_loss": last_loss,
-         "first_perplexity": math.exp(first_loss), "last_perplexity": math.exp(last_loss),
-         "iterations": sum(r["iterations"] for r in trainers.values()),
-         "per_trainer": {name: {"losses": r["losses"], "iterations": r["iterations"]}
-                         for name, r in trainers.items()},
-         "train_seconds": round(max(r["train_seconds"] for r in trainers.values()), 3)},
-        f"loss {first_loss:.4f} -> {last_loss:.4f}, perplexity {math.exp(first_loss):.2f} -> "
-        f"{math.exp(last_loss):.2f} over {len(trainers)} trainer(s)")
+         "ntoken": reports[0]["ntoken"], "trainers": len(losses), "losses": losses,
+         "first_loss": first, "last_loss": last, "last_perplexity": math.exp(last),
+         "iterations": sum(report["iterations"] for report in reports),
+         "train_seconds": round(max(report["train_seconds"] for report in reports), 3)},
+        f"loss {first:.4f} -> {last:.4f}, perplexity {math.exp(first):.2f} -> "
+        f"{math.exp(last):.2f} over {len(losses)} trainer(s)")
 
 
 def parse_args(argv=None):
-    parser = launch.ArgumentParser(
-        description="Distributed RNN with model parallelism: rank 0 (ps) holds the embedding "
-                    "table and the decoder, the trainer holds the LSTM and trains all three "
-                    "through RPC, distributed autograd and DistributedOptimizer. With a world "
-                    "size above 2, each extra trainer trains a model of its own against the same "
-                    "ps (trainers then named trainer1, trainer2, ...). Without --corpus: a "
-                    f"synthetic task of {SYNTHETIC_NTOKEN} tokens (sequences counting up, "
-                    "restarting at random), on the tutorial's tiny model. With --corpus: a "
-                    "word-level language model of a text file; sizes that work there: "
-                    "--emsize 64 --nhid 64 --bptt 35 --batch_size 20 --epochs 5.")
+    parser = launch.ArgumentParser(description=(
+        "Distributed RNN: ps (rank 0) holds the embedding table and the decoder, the trainer the "
+        "LSTM. With a world size above 2, each extra trainer trains a model of its own against "
+        f"the same ps. Without --corpus: a synthetic task of {SYNTHETIC_NTOKEN} tokens. With "
+        "--corpus: a word-level language model of a text file; sizes that work there: "
+        "--emsize 64 --nhid 64 --bptt 35 --batch_size 20 --epochs 5."))
     # auto (shared memory): the tiny model's iterations are small messages, latency-bound.
     launch.add_launch_arguments(parser, world_size=2, min_world_size=2,
                                 roles="ps (rank 0) and the trainers", rpc_transport="auto")
@@ -156,14 +141,9 @@ def parse_args(argv=None):
         help="SGD learning rate (the tutorial's 0.05 moves this model too slowly to see)")
     args = launch.parse_args(parser, argv, min_world_size=2)
     if args.corpus is not None and args.rank != 0:  # ps needs no data
-        try:
-            _, tokens = load_corpus(args.corpus)
-        except ValueError as err:
-            parser.error(str(err))
-        if len(tokens) < 2 * args.batch_size:
-            parser.error(f"--corpus {args.corpus}: {len(tokens)} words (counting <eos>) are too "
-                         f"few for --batch_size {args.batch_size}; need at least "
-                         f"{2 * args.batch_size}")
+        problem = check_corpus(args.corpus, args.batch_size)
+        if problem:
+            parser.error(problem)
     return args
 
 

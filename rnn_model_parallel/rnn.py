@@ -1,5 +1,4 @@
-"""The model of the tutorial's distributed RNN (`rnn.RNNModel`): word_language_model's RNN in
-three parts, the embedding table and the decoder on the parameter server, the LSTM local."""
+"""The tutorial's `rnn.RNNModel`, word_language_model's RNN split across RPC, and its parts."""
 
 import torch
 import torch.distributed.rpc as rpc
@@ -62,35 +61,34 @@ def _parameter_rrefs(module):
 
 
 class RNNModel(nn.Module):
-    """word_language_model's RNN, with the embedding table and the decoder on the parameter
-    server `ps` and the LSTM here."""
+    """The embedding table and the decoder on the parameter server `ps`, the LSTM here."""
     def __init__(self, ps, ntoken, ninp, nhid, nlayers, dropout=0.5):
         super().__init__()
 
-        # setup embedding table remotely
+        # the embedding table, on ps
         self.emb_table_rref = rpc.remote(ps, EmbeddingTable, args=(ntoken, ninp, dropout))
         # Wait for the table to exist (by asking where it is) before creating the decoder, so
         # that ps draws their random weights in the same order in every run.
         self.table_device = _remote_method(EmbeddingTable.get_device, self.emb_table_rref)
-        # setup LSTM locally
+        # the LSTM, here
         self.rnn = nn.LSTM(ninp, nhid, nlayers, dropout=dropout)
-        # setup decoder remotely
+        # the decoder, on ps
         self.decoder_rref = rpc.remote(ps, Decoder, args=(ntoken, nhid, dropout))
 
     def forward(self, input, hidden):
-        # pass input to the remote embedding table and fetch emb tensor back
+        # the embeddings of the input, from the table on ps
         emb = _remote_method(EmbeddingTable.forward, self.emb_table_rref, input)
         output, hidden = self.rnn(emb, hidden)
-        # pass output to the remote decoder and get the decoded output back
+        # the scores of the next token, from the decoder on ps
         decoded = _remote_method(Decoder.forward, self.decoder_rref, output)
         return decoded, hidden
 
     def parameter_rrefs(self):
         remote_params = []
-        # get RRefs of embedding table
+        # the table's, from ps
         remote_params.extend(_remote_method(_parameter_rrefs, self.emb_table_rref))
-        # create RRefs for local parameters
+        # the LSTM's, here
         remote_params.extend(_parameter_rrefs(self.rnn))
-        # get RRefs of decoder
+        # the decoder's, from ps
         remote_params.extend(_remote_method(_parameter_rrefs, self.decoder_rref))
         return remote_params
