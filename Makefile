@@ -33,6 +33,8 @@ run: $(VENV)/.run-installed
 	@$(PY) param_server/main.py --dataset mnist $(PS_TOUR) || { test $$? -eq 2 && \
 	  echo "== param_server: MNIST unavailable, using --dataset synthetic" && \
 	  $(PY) param_server/main.py --dataset synthetic $(PS_TOUR); }
+	@echo "== param_server --batch: the batch-updating server of the batch RPC tutorial, 3 trainers"
+	@$(PY) param_server/main.py --batch --dataset synthetic $(PS_TOUR)
 	@echo "== rl_cartpole: an agent and 1 observer, then 2 observers with batched actions"
 	@$(PY) rl_cartpole/main.py --max_episodes 30 --log_interval 10
 	@$(PY) rl_cartpole/main.py --world_size 3 --batch --max_episodes 20 --log_interval 10

@@ -301,7 +301,18 @@ def parse_args(argv=None):
         help="SGD learning rate")
     add("--log_interval", "--log-interval", type=at_least(1), default=5, metavar="N",
         help="print the loss every this many batches")
+    add("--batch", action="store_true",
+        help="train with the batch-updating parameter server of the batch RPC tutorial "
+             "(batch.py): synchronous steps, each on the gradients of --batch_update_size "
+             "trainers")
+    add("--batch_update_size", "--batch-update-size", type=at_least(1), default=None,
+        metavar="N", help="with --batch: gradients in each step (default: the number of trainers)")
     args = launch.parse_args(parser, argv, min_world_size=2)
+    if args.batch_update_size is not None and not args.batch:
+        parser.error("--batch_update_size applies with --batch only")
+    if (args.batch_update_size or 0) > args.world_size - 1:
+        parser.error(f"--batch_update_size {args.batch_update_size} is more than the "
+                     f"{args.world_size - 1} trainer(s) of a world of {args.world_size}")
     if args.rank in (None, 0):  # the model lives on the parameter server
         try:
             choose_devices(args.num_gpus, torch.cuda.device_count())
@@ -318,7 +329,11 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    launch.start(args, run, worker_name)
+    if args.batch:
+        import batch  # the batch tutorial's server; it imports Net and get_accuracy from here
+        launch.start(args, batch.run, batch.worker_name)
+    else:
+        launch.start(args, run, worker_name)
 
 
 if __name__ == "__main__":

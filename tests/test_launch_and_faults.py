@@ -190,21 +190,34 @@ def test_torchrun_runs_every_rank(example, runs, tmp_path):
 
 # --------- A rank killed mid-run --------------------
 
-# Per rank, every role is killed in turn: each role notices a lost peer in its own code. Under
+# Modes of an example that have roles of their own, killed like the examples above.
+VARIANTS = {
+    "param_server --batch": Example(
+        name="param_server", world_size=3,
+        quick=["--batch", "--dataset", "synthetic", "--max_batches", 5],
+        endless=["--batch", "--dataset", "synthetic", "--epochs", 1000],
+        roles={0: "ps", 1: "trainer1"},
+        working=r"^Rank 1 training batch"),
+}
+
+# Per rank, every role is killed in turn: each role notices a lost peer in its own code (with
+# --batch, trainer1 dies while trainer2 waits for the model that needs its gradients). Under
 # spawn-all the launcher stops every rank alike, whichever died, so one victim an example (its
 # last rank) is enough; that keeps the slow tests within their 3 minutes.
-KILL_CASES = [(name, rank, "per-rank") for name, config in EXAMPLES.items()
+KILLED = {**EXAMPLES, **VARIANTS}
+KILL_CASES = [(name, rank, "per-rank") for name, config in KILLED.items()
               for rank in config.roles]
 KILL_CASES += [(name, max(config.roles), "spawn-all") for name, config in EXAMPLES.items()]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("example, victim, mode", KILL_CASES,
-                         ids=[f"{n}-{EXAMPLES[n].roles[r]}-{m}" for n, r, m in KILL_CASES])
+                         ids=[f"{n}-{KILLED[n].roles[r]}-{m}" for n, r, m in KILL_CASES])
 def test_killed_rank_stops_every_other_rank(example, victim, mode, runs):
     """SIGKILL one rank mid-run: every other process exits non-zero within the bound, naming
     the lost peer, and nothing is left running. Spawn-all runs also check loopback only."""
-    config = EXAMPLES[example]
+    config = KILLED[example]
+    example = config.name
     common = [*config.endless, "--world_size", config.world_size,
               "--master_port", find_free_port()]
     if mode == "spawn-all":

@@ -1,0 +1,218 @@
+"""`--batch`: the batch-updating parameter server of the tutorial "Implementing Batch RPC
+Processing Using Asynchronous Executions", training main.py's Net on the same data.
+
+Synchronous, where main.py's server is not: every trainer trains a copy of the model fetched
+from the server and sends its gradients with update_and_fetch_model, an
+`@rpc.functions.async_execution` function that returns a future of the next model at once,
+freeing its RPC thread; once batch_update_size gradients are in, the server averages them, takes
+one optimizer step and completes the future, which answers every waiting trainer with the new
+model. README.md compares the two ways.
+"""
+
+import copy
+import hashlib
+import itertools
+import threading
+import time
+from datetime import datetime
+
+import torch
+import torch.distributed.rpc as rpc
+import torch.nn.functional as F
+from torch import optim
+
+import launch
+from data import get_data_loaders
+
+# main.py's classes (imported as a module: its `if __name__ == "__main__"` part does not run).
+from main import Net, get_accuracy
+
+
+def timed_log(text):
+    print(f"{datetime.now().strftime('%H:%M:%S')} {text}")
+
+
+class BatchUpdateParameterServer:
+
+    def __init__(self, batch_update_size, num_trainers, args):
+        self.model = Net()
+        self.lock = threading.Lock()
+        self.future_model = torch.futures.Future()
+        self.batch_update_size = batch_update_size
+        self.curr_update_size = 0
+        # main.py's optimizer (the tutorial's momentum=0.9 too), so that the two ways compare
+        self.optimizer = optim.SGD(self.model.parameters(), lr=args.lr)
+        for p in self.model.parameters():
+            p.grad = torch.zeros_like(p)
+        # Not in the tutorial: what the summary reports, and the trainers still training, so
+        # that with a batch_update_size below the number of trainers the last ones do not wait
+        # for gradients that will never come.
+        self.trainers_left, self.log_interval = num_trainers, args.log_interval
+        self.versions, self.gradients, self.short_updates = 0, 0, 0
+
+    def get_model(self):
+        with self.lock:  # a copy: the trainers' steps must not change it while it is sent
+            return copy.deepcopy(self.model)
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def update_and_fetch_model(ps_rref, grads):
+        # the parameter server of this process, from its RRef
+        self = ps_rref.local_value()
+        with self.lock:
+            if self.versions % self.log_interval == 0:
+                timed_log(f"PS got {self.curr_update_size}/{self.batch_update_size} updates")
+            self.curr_update_size += 1
+            self.gradients += 1
+            # add the gradients up in the .grad fields
+            for p, g in zip(self.model.parameters(), grads, strict=True):
+                p.grad += g
+
+            # the future of the next model, kept before another step could replace it
+            fut = self.future_model
+            self._update_if_all_gradients_are_in()
+        return fut
+
+    def _update_if_all_gradients_are_in(self):
+        """With self.lock held: one step, once batch_update_size gradients are in (or all that
+        the trainers still training can send); the new model answers every waiting trainer."""
+        if self.curr_update_size < min(self.batch_update_size, self.trainers_left):
+            return
+        self.short_updates += self.curr_update_size < self.batch_update_size
+        for p in self.model.parameters():
+            p.grad /= self.curr_update_size
+        self.curr_update_size = 0
+        self.optimizer.step()
+        # set_to_none=False: the next update adds to .grad, which must stay a tensor
+        self.optimizer.zero_grad(set_to_none=False)
+        # completing the future answers every waiting trainer, with a copy (see get_model)
+        self.future_model.set_result(copy.deepcopy(self.model))
+        if self.versions % self.log_interval == 0:
+            timed_log("PS updated model")
+        self.versions += 1
+        self.future_model = torch.futures.Future()
+
+    def trainer_done(self):
+        with self.lock:
+            self.trainers_left -= 1
+            if self.curr_update_size:
+                self._update_if_all_gradients_are_in()
+
+
+# This trainer's data and settings, set by run() before the parameter server calls run_trainer.
+trainer_data = None
+
+
+class Trainer:
+
+    def __init__(self, ps_rref):
+        self.ps_rref = ps_rref
+        self.train_loader, self.test_loader, self.args = trainer_data
+        # the GPU when there is one, as the batch tutorial's trainers (.cuda())
+        self.device = torch.device("cuda:0" if torch.cuda.device_count() else "cpu")
+
+    def get_next_batch(self):
+        # The same number of batches for every trainer (see equal_share_batches), so that
+        # each update of the server gets a gradient from every trainer.
+        for _ in range(self.args.epochs):
+            for inputs, labels in itertools.islice(self.train_loader, self.args.batches):
+                yield inputs.to(self.device), labels.to(self.device)
+
+    def train(self):
+        name = rpc.get_worker_info().name
+        rank = rpc.get_worker_info().id
+        # the initial model, from the parameter server
+        m = self.ps_rref.rpc_sync().get_model().to(self.device)
+        started = time.perf_counter()
+        for i, (inputs, labels) in enumerate(self.get_next_batch()):
+            log = i % self.args.log_interval == 0
+            if log:
+                timed_log(f"{name} processing one batch")
+            loss = F.nll_loss(m(inputs), labels)
+            loss.backward()
+            if log:
+                print(f"Rank {rank} training batch {i} loss {loss.item()}")
+                timed_log(f"{name} reporting grads")
+            m = rpc.rpc_sync(
+                self.ps_rref.owner(),
+                BatchUpdateParameterServer.update_and_fetch_model,
+                args=(self.ps_rref, [p.grad for p in m.cpu().parameters()]),
+            ).to(self.device)
+            if log:
+                timed_log(f"{name} got updated model")
+        train_seconds = time.perf_counter() - started
+        self.ps_rref.rpc_sync().trainer_done()
+        print("Training complete!")
+        print("Getting accuracy....")
+        weights = b"".join(p.detach().cpu().numpy().tobytes() for p in m.parameters())
+        return {"accuracy": get_accuracy(self.test_loader, m.cpu()), "batches": i + 1,
+                "train_seconds": train_seconds, "weights": hashlib.sha256(weights).hexdigest()}
+
+
+def run_trainer(ps_rref):
+    trainer = Trainer(ps_rref)
+    return trainer.train()
+
+
+def run_ps(trainers, args):
+    timed_log("Start training")
+    ps = BatchUpdateParameterServer(args.batch_update_size or len(trainers), len(trainers), args)
+    ps_rref = rpc.RRef(ps)
+    futs = []
+    for trainer in trainers:
+        futs.append(
+            rpc.rpc_async(trainer, run_trainer, args=(ps_rref,), timeout=0)
+        )
+
+    reports = dict(zip(trainers, torch.futures.wait_all(futs), strict=True))
+    timed_log("Finish training")
+    return ps, reports
+
+
+def run(rank, world_size, args):
+    global trainer_data
+    if rank != 0:
+        train_loader, test_loader = get_data_loaders(rank, world_size, args)
+        args.batches = equal_share_batches(train_loader, world_size - 1, args)
+        trainer_data = (train_loader, test_loader, args)
+        launch.init_rpc_with_timeout(f"trainer{rank}", rank=rank, world_size=world_size)
+        # trainer passively waiting for ps to kick off training iterations
+        launch.finish_and_shutdown()
+    else:
+        torch.manual_seed(args.seed)  # the initial model, as main.py's server
+        launch.init_rpc_with_timeout("ps", rank=rank, world_size=world_size)
+        ps, reports = run_ps([f"trainer{r}" for r in range(1, world_size)], args)
+        launch.finish_and_shutdown()
+        write_summary(args, ps, reports)
+
+
+def worker_name(rank, world_size):
+    return "ps" if rank == 0 else f"trainer{rank}"
+
+
+def equal_share_batches(train_loader, num_trainers, args):
+    """Batches per epoch for every trainer: the most that the smallest share holds (shares
+    differ by a sample at most), at most --max_batches."""
+    smallest_share = len(train_loader.dataset.dataset) // num_trainers
+    return min(-(-smallest_share // args.batch_size), args.max_batches or smallest_share)
+
+
+def write_summary(args, ps, reports):
+    accuracy = sum(r["accuracy"] for r in reports.values()) / len(reports)
+    samples = sum(r["batches"] for r in reports.values()) * args.batch_size
+    samples_per_second = samples / max(r["train_seconds"] for r in reports.values())
+    identical = len({r["weights"] for r in reports.values()}) == 1
+    launch.write_summary(
+        {"example": "param_server", "mode": "batch", "dataset": args.dataset,
+         "world_size": args.world_size, "trainers": len(reports), "epochs": args.epochs,
+         "accuracy": accuracy, "samples": samples,
+         "samples_per_second": round(samples_per_second, 1),
+         "train_seconds": round(max(r["train_seconds"] for r in reports.values()), 3),
+         "accuracy_per_trainer": {name: r["accuracy"] for name, r in reports.items()},
+         "batches_per_trainer": {name: r["batches"] for name, r in reports.items()},
+         "batch_update_size": ps.batch_update_size, "model_versions": ps.versions,
+         "gradients": ps.gradients, "short_updates": ps.short_updates,
+         "identical_final_weights": identical},
+        f"accuracy {accuracy:.4f} over {len(reports)} trainer(s), {samples_per_second:.1f} "
+        f"samples/s, {ps.versions} model versions of {ps.batch_update_size} gradients, final "
+        f"weights {'identical' if identical else 'DIFFERENT'}")
