@@ -251,7 +251,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    launch.start(args, run_worker, worker_name)
+    # A model this small gains nothing from more threads: one thread for every rank.
+    launch.start(args, run_worker, worker_name, heavy=lambda rank, world_size: False)
 
 
 if __name__ == "__main__":

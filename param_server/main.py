@@ -331,9 +331,11 @@ def main(argv=None):
     args = parse_args(argv)
     if args.batch:
         import batch  # the batch tutorial's server; it imports Net and get_accuracy from here
-        launch.start(args, batch.run, batch.worker_name)
+        # the trainers train, the server averages their gradients
+        launch.start(args, batch.run, batch.worker_name, heavy=lambda rank, _: rank != 0)
     else:
-        launch.start(args, run, worker_name)
+        # the server runs the model, the trainers wait for it
+        launch.start(args, run, worker_name, heavy=lambda rank, _: rank == 0)
 
 
 if __name__ == "__main__":

@@ -177,7 +177,6 @@ def run_worker(rank, world_size, args, agent_class=Agent):
         # rank 0 is the agent
         launch.init_rpc_with_timeout(AGENT_NAME, rank=rank, world_size=world_size)
         torch.manual_seed(args.seed)
-        torch.set_num_threads(1)  # a policy this small gains nothing from more threads
 
         agent = agent_class(world_size, args)
         started = time.perf_counter()
@@ -248,9 +247,9 @@ def main(argv=None):
     args = parse_args(argv)
     if args.batch:
         import batch  # the batch tutorial's agent; it imports the classes above from here
-        launch.start(args, batch.run_batch_worker, worker_name)
-    else:
-        launch.start(args, run_worker, worker_name)
+    # A policy this small gains nothing from more threads: one thread for every rank.
+    launch.start(args, batch.run_batch_worker if args.batch else run_worker, worker_name,
+                 heavy=lambda rank, world_size: False)
 
 
 if __name__ == "__main__":

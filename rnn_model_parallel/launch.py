@@ -37,6 +37,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
@@ -83,6 +84,22 @@ def int_at_least(low):
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
         return value
     parse.__name__ = f"integer (>= {low})"  # argparse names the type in its error message
+    return parse
+
+
+def int_list_at_least(low):
+    """Whole numbers separated by commas, each at least `low`: 4, or 1,2,4,8."""
+    def parse(text):
+        try:
+            values = [int(part) for part in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected numbers separated by commas, such as 4 or 1,2,4,8, got {text!r}") \
+                from None
+        if min(values) < low:
+            raise argparse.ArgumentTypeError(f"each must be at least {low}, got {text}")
+        return values
+    parse.__name__ = f"list of integers (>= {low})"
     return parse
 
 
@@ -136,6 +153,10 @@ def add_launch_arguments(parser, world_size, min_world_size, roles, rpc_transpor
              "use shared memory, the quickest for small messages, but each process then keeps "
              "a thread polling it without pause, which on a small machine takes CPU time from "
              "the work; tcp uses loopback sockets, which wait idle. Between machines, TCP")
+    add("--threads", type=int_at_least(1), default=None, metavar="N",
+        help="intra-op threads of every rank this command starts. Default: OMP_NUM_THREADS if "
+             "set, else this machine's cores shared by the ranks that do the arithmetic, and 1 "
+             "for the ranks that mostly wait")
     add("--seed", type=int_at_least(0), default=1, metavar="N", help="random seed")
     add("--summary_json", "--summary-json", default=None, metavar="PATH",
         help="write the run's figures to this JSON file at the end")
@@ -191,17 +212,77 @@ _rpc_ready = threading.Event()
 _started = None  # when this rank started, for the summary's wall_seconds
 
 
-def start(args, run_worker, worker_name):
+def start(args, run_worker, worker_name, heavy=None):
     """Run run_worker(rank, world_size, args): for every rank on this machine, each in a
-    process of its own (no --rank), or for the one rank that --rank or torchrun names."""
+    process of its own (no --rank), or for the one rank that --rank or torchrun names.
+    heavy(rank, world_size) tells the ranks that do the example's arithmetic (default: all),
+    which share the machine's cores (see thread_counts)."""
     _print_whole_lines()
     os.environ["MASTER_ADDR"] = args.master_addr  # where init_rpc's env:// rendezvous looks
     os.environ["MASTER_PORT"] = str(args.master_port)
     choose_network_interface(args.master_addr)
+    heavy = heavy or (lambda rank, world_size: True)
+    threads = thread_counts(args, heavy)
     if args.rank is None:
-        spawn_all(args, run_worker, worker_name)
+        spawn_all(args, run_worker, worker_name, threads)
     else:
+        use_threads(threads[args.rank], heavy(args.rank, args.world_size),
+                    f"{worker_name(args.rank, args.world_size)}: ")
         run_rank(args.rank, args, run_worker, worker_name)
+
+
+# --------- Threads --------------------
+#
+# Several ranks share one machine's cores. A process's OpenMP thread teams, which run torch's
+# intra-op work, are sized when the process starts: OMP_NUM_THREADS, or else every core.
+# torch.set_num_threads() resizes only the teams of threads that call it, not those of RPC's
+# threads, where a rank runs the calls it receives (measured: set to 1, a convolution on an RPC
+# thread still kept two cores busy). So each rank that does the arithmetic (heavy) gets its
+# share of the cores in OMP_NUM_THREADS before it starts; the others, which mostly wait for
+# messages, get one thread each.
+
+def thread_counts(args, heavy):
+    """{rank: threads} for the ranks on this machine: --threads, else OMP_NUM_THREADS, else
+    the cores shared by the heavy ranks, and 1 for the others."""
+    world = range(args.world_size)
+    if args.rank is None or _is_loopback(args.master_addr):
+        local = world
+    elif args.torchrun and "LOCAL_WORLD_SIZE" in os.environ:
+        first = args.rank - int(os.environ.get("LOCAL_RANK", 0))
+        local = range(first, first + int(os.environ["LOCAL_WORLD_SIZE"]))
+    else:  # alone here, as far as this rank can tell
+        local = [args.rank]
+    fixed = args.threads or os.environ.get("OMP_NUM_THREADS")
+    if fixed:
+        return dict.fromkeys(local, int(fixed))
+    heavy_ranks = [rank for rank in local if heavy(rank, args.world_size)]
+    share = max(1, _cores() // max(1, len(heavy_ranks)))
+    return {rank: share if rank in heavy_ranks else 1 for rank in local}
+
+
+def use_threads(threads, heavy, who):
+    """Give this process `threads` intra-op threads, and say so once. A heavy rank needs its
+    thread teams that wide on every thread, so it restarts with OMP_NUM_THREADS set if they were
+    sized otherwise when it started; a light rank sets its own thread's only, as RPC's threads
+    have little to do there."""
+    if heavy and os.environ.get("OMP_NUM_THREADS", str(_cores())) != str(threads):
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    torch.set_num_threads(threads)
+    print(f"{who}{threads} intra-op thread(s) on {_cores()} core(s) "
+          f"(--threads or OMP_NUM_THREADS to change)")
+
+
+def _cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _is_loopback(addr):
+    try:
+        return ipaddress.ip_address(socket.getaddrinfo(addr, None)[0][4][0]).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 def run_rank(rank, args, run_worker, worker_name):
@@ -223,20 +304,34 @@ def run_rank(rank, args, run_worker, worker_name):
         _exit(f"{name}: lost contact with {', '.join(lost)} ({_first_line(err)}); stopping")
 
 
-def spawn_all(args, run_worker, worker_name):
-    """Start every rank on this machine and wait. If one fails, stop the others, name the one
-    that failed first (killed by a signal, or else the first seen to exit with an error: the
-    others then exit too, having lost it) and exit 1."""
+def spawn_all(args, run_worker, worker_name, threads):
+    """Start every rank on this machine, each with its threads, and wait. If one fails, stop
+    the others, name the one that failed first (killed by a signal, or else the first seen to
+    exit with an error: the others then exit too, having lost it) and exit 1."""
+    print("Threads: " + ", ".join(f"{worker_name(rank, args.world_size)} {count}"
+                                  for rank, count in threads.items())
+          + f" (on {_cores()} core(s); --threads or OMP_NUM_THREADS to change)")
     context = mp.get_context("spawn")
     ranks = [context.Process(target=_spawned_rank,
                              args=(rank, args, run_worker, worker_name, os.getpid()))
              for rank in range(args.world_size)]
+    omp_num_threads = os.environ.get("OMP_NUM_THREADS")
     try:
-        for process in ranks:
+        for rank, process in enumerate(ranks):
+            os.environ["OMP_NUM_THREADS"] = str(threads[rank])  # what the child starts with
             process.start()
+        if omp_num_threads is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp_num_threads
         running = list(ranks)
         while running:
-            multiprocessing.connection.wait([process.sentinel for process in running])
+            ready = multiprocessing.connection.wait([process.sentinel for process in running])
+            for process in running:
+                if process.sentinel in ready:
+                    # A dying process closes its files a moment before its exit status is
+                    # known; without it, a rank killed first could be taken for a survivor.
+                    process.join(5)
             failed = [p for p in running if p.exitcode not in (None, 0)]
             if failed:
                 first = min(failed, key=lambda process: process.exitcode >= 0)
@@ -338,8 +433,9 @@ _reports = {}  # peer name -> what it reported when it finished
 _reports_changed = threading.Condition()
 
 
-def init_rpc_with_timeout(name, rank, world_size):
-    """rpc.init_rpc(name, rank=rank, world_size=world_size), bounded by --init_timeout."""
+def init_rpc_with_timeout(name, rank, world_size, num_worker_threads=16):
+    """rpc.init_rpc(name, rank=rank, world_size=world_size), bounded by --init_timeout, with
+    TensorPipe's num_worker_threads (16, its default, unless the example needs more)."""
     global _name
 
     def give_up():
@@ -358,6 +454,7 @@ def init_rpc_with_timeout(name, rank, world_size):
         # --rpc_transport tcp: TensorPipe's TCP transport ("uv") only, no shared memory.
         transports = ["uv"] if _args.rpc_transport == "tcp" else None
         options = rpc.TensorPipeRpcBackendOptions(init_method="env://",
+                                                  num_worker_threads=num_worker_threads,
                                                   rpc_timeout=_args.rpc_timeout,
                                                   _transports=transports)
         rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch.distributed.rpc as rpc
 from example_modules import load_example
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ("param_server", "rl_cartpole", "rnn_model_parallel", "ddp_rpc_hybrid")
+EXAMPLES = ("param_server", "rl_cartpole", "rnn_model_parallel", "ddp_rpc_hybrid",
+            "pipeline_parallel")
 
 
 # --------- Ports --------------------
@@ -187,6 +189,20 @@ def start_example(example, *args, env=None, log_dir=None):
     return Run(example_command(example, *args), log_dir, env=env)
 
 
+def finish_together(runs, timeout):
+    """Wait for runs that were started together: the ranks of the small examples spend much of
+    their time waiting for each other's messages, so two cores serve several runs at once. Fails
+    the test on a timeout or on processes left running; nothing survives either way."""
+    try:
+        for run in runs:
+            run.wait(timeout)
+            assert not run.leftovers(), f"processes left running after {' '.join(run.cmd)}"
+    finally:
+        for run in runs:
+            run.kill_session()
+    return runs
+
+
 def run_example(example, *args, timeout=120, env=None, log_dir=None):
     """Run an example to completion; fail the test if it times out or leaves processes."""
     run = start_example(example, *args, env=env, log_dir=log_dir).wait(timeout)
@@ -194,6 +210,29 @@ def run_example(example, *args, timeout=120, env=None, log_dir=None):
     run.kill_session()
     assert not alive, f"processes left running after {example}: {alive}"
     return run
+
+
+# --------- An RPC world of this test process alone --------------------
+
+@pytest.fixture(scope="session")
+def rpc_world():
+    """This test process as the only worker of an RPC world, on loopback and TCP only (the
+    shared-memory transport keeps a thread polling for as long as RPC is up). One world for the
+    whole session: RRefs of a world that has shut down may still be deleted later, which fails
+    in the next world. Yields the worker's name; tests that pickle an example's functions for
+    RPC run inside example_modules(example)."""
+    saved = {name: os.environ.get(name) for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
+    os.environ["TP_SOCKET_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{find_free_port()}", rpc_timeout=60, _transports=["uv"])
+    rpc.init_rpc("tests", rank=0, world_size=1, rpc_backend_options=options)
+    yield "tests"
+    rpc.shutdown()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 # --------- Tiny MNIST --------------------

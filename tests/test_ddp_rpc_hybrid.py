@@ -234,6 +234,7 @@ def test_spawn_all_trained_both_halves(two_trainers):
     assert summary["embedding_table_max_change"] > 0.01
 
 
+@pytest.mark.slow
 def test_ranks_as_separate_commands_highest_rank_first(tmp_path, runs):
     common = ["--world_size", 3, "--master_port", find_free_port(), "--epochs", 3]
     ps = runs.start("ddp_rpc_hybrid", *common, "--rank", 2)

@@ -68,6 +68,14 @@ EXAMPLES = {
         working=r"^Training done for epoch",
         bad_inputs=[(["--world_size", "2"], "must be at least 3"),
                     (["--master_port", "65535"], "65535 leaves no port")]),
+    "pipeline_parallel": Example(
+        name="pipeline_parallel", world_size=3,
+        quick=["--num_split", 2, "--num_batches", 2, "--batch_size", 4],
+        endless=["--num_split", 2, "--num_batches", 100000, "--batch_size", 4],
+        roles={0: "master", 1: "worker1"},
+        working=r"^Processing batch 1$",
+        bad_inputs=[(["--world_size", "4"], "runs 3 ranks"),
+                    (["--num_split", "5"], "more micro-batches than the 4 images")]),
 }
 
 
@@ -175,8 +183,13 @@ def assert_listening_on_loopback_only(run, world_size):
 
 # --------- torchrun --------------------
 
+# launch.py is the same everywhere; these two examples add what differs under torchrun and
+# across hosts: a heavy rank's threads (param_server) and a process group beside RPC (ddp).
+LAUNCH_EXAMPLES = ("param_server", "ddp_rpc_hybrid")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("example", EXAMPLES)
+@pytest.mark.parametrize("example", LAUNCH_EXAMPLES)
 def test_torchrun_runs_every_rank(example, runs, tmp_path):
     config = EXAMPLES[example]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
@@ -200,14 +213,20 @@ VARIANTS = {
         working=r"^Rank 1 training batch"),
 }
 
-# Per rank, every role is killed in turn: each role notices a lost peer in its own code (with
-# --batch, trainer1 dies while trainer2 waits for the model that needs its gradients). Under
-# spawn-all the launcher stops every rank alike, whichever died, so one victim an example (its
-# last rank) is enough; that keeps the slow tests within their 3 minutes.
+# The ranks killed, one run each: a rank of every kind of waiting there is, as the others notice
+# a lost peer in their own code: trainers in RPC calls (param_server), waiting for a model that
+# needs the dead trainer's gradients (--batch), the agent waiting for an episode (rl_cartpole),
+# the parameter server in its heartbeat (rnn_model_parallel), trainers in an allreduce and the
+# master waiting for their loops (ddp_rpc_hybrid), the master waiting for micro-batches
+# (pipeline_parallel). Under spawn-all the launcher stops every rank alike, whichever died: two
+# examples, the second with the process group of the trainers. The others' roles were all
+# killed in turn before this list was cut to keep the slow tests within their 3 minutes.
 KILLED = {**EXAMPLES, **VARIANTS}
-KILL_CASES = [(name, rank, "per-rank") for name, config in KILLED.items()
-              for rank in config.roles]
-KILL_CASES += [(name, max(config.roles), "spawn-all") for name, config in EXAMPLES.items()]
+KILL_CASES = [("param_server", 1, "per-rank"), ("param_server --batch", 1, "per-rank"),
+              ("rl_cartpole", 1, "per-rank"), ("rnn_model_parallel", 1, "per-rank"),
+              ("ddp_rpc_hybrid", 0, "per-rank"), ("ddp_rpc_hybrid", 1, "per-rank"),
+              ("pipeline_parallel", 1, "per-rank"),
+              ("rl_cartpole", 1, "spawn-all"), ("ddp_rpc_hybrid", 2, "spawn-all")]
 
 
 @pytest.mark.slow
@@ -246,7 +265,8 @@ def test_killed_rank_stops_every_other_rank(example, victim, mode, runs):
         assert not survivor.leftovers()
     victim_name = config.roles[victim]
     if mode == "spawn-all":
-        assert f"{victim_name} (rank {victim}) was killed by SIGKILL" in survivors[0].stderr
+        assert f"{victim_name} (rank {victim}) was killed by SIGKILL" in survivors[0].stderr, \
+            survivors[0].stderr[-2000:]
     else:
         for survivor in survivors:
             assert re.search(rf"lost contact with [^(]*\b{victim_name}\b", survivor.stderr), \
@@ -278,12 +298,13 @@ def _wait_any(processes, pattern, timeout=90):
 
 @pytest.mark.slow
 def test_missing_rank_ends_the_others_after_init_timeout(runs):
-    """For every example, rank 0 (which hosts the rendezvous) alone, and the last rank alone:
-    eight runs at once, on ports of their own (they spend their time importing, then waiting)."""
-    alone = [(example, runs.start(example, *config.quick, "--world_size", config.world_size,
-                                  "--master_port", find_free_port(), "--rank", rank,
-                                  "--init_timeout", 2))
-             for example, config in EXAMPLES.items() for rank in (0, config.world_size - 1)]
+    """Rank 0 (which hosts the rendezvous) alone, and the last rank alone, for an example that
+    only joins RPC and for one whose trainers first meet in a process group: four runs at once,
+    on ports of their own (they spend their time importing, then waiting)."""
+    alone = [(example, runs.start(example, *EXAMPLES[example].quick, "--world_size",
+                                  EXAMPLES[example].world_size, "--master_port", find_free_port(),
+                                  "--rank", rank, "--init_timeout", 2))
+             for example in LAUNCH_EXAMPLES for rank in (0, EXAMPLES[example].world_size - 1)]
     for example, run in alone:
         run.wait(timeout=90)
         assert run.returncode == 1, (example, run.output)
@@ -327,7 +348,7 @@ def two_hosts():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("example", EXAMPLES)
+@pytest.mark.parametrize("example", LAUNCH_EXAMPLES)
 def test_ranks_on_two_hosts(example, two_hosts, runs, tmp_path):
     config = EXAMPLES[example]
     (host_a, addr_a), (host_b, _) = two_hosts

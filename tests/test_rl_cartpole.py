@@ -1,6 +1,5 @@
 import json
 import math
-import os
 import re
 import socket
 from types import SimpleNamespace
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.rpc as rpc
-from conftest import find_free_port, load_example, run_example
+from conftest import find_free_port, finish_together, load_example, start_example
 from example_modules import example_modules
 from torch.distributions import Categorical
 
@@ -97,29 +96,15 @@ class CountingPolicy(torch.nn.Module):
         return torch.stack([1 - right, right], dim=1)
 
 
-@pytest.fixture(scope="module")
-def rpc_world():
-    """This test process as the only worker, named like the agent, listening on loopback; the
-    plain module names (batch, main) are rl_cartpole's, for RPC's pickles."""
-    saved = {name: os.environ.get(name) for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
-    os.environ["TP_SOCKET_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    # TCP only: TensorPipe's shared-memory transport keeps a thread polling, at full speed, for
-    # as long as RPC is up in this process, which would slow down the tests that come after.
-    options = rpc.TensorPipeRpcBackendOptions(
-        init_method=f"tcp://127.0.0.1:{find_free_port()}", rpc_timeout=20, _transports=["uv"])
+@pytest.fixture
+def rl_world(rpc_world):
+    """The test process's RPC world, with rl_cartpole's modules for RPC's pickles."""
     with example_modules("rl_cartpole"):
-        rpc.init_rpc(rl.AGENT_NAME, rank=0, world_size=1, rpc_backend_options=options)
-        yield
-        rpc.shutdown()
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+        yield rpc_world
 
 
 @pytest.fixture
-def batching_agent(rpc_world):
+def batching_agent(rl_world):
     """An agent in --batch mode at the start of an episode of three observers (ids 1, 2, 3)."""
     agent = rl_batch.BatchAgent(world_size=1, args=SimpleNamespace(seed=1, gamma=0.99))
     agent.policy = CountingPolicy()
@@ -132,7 +117,7 @@ def batching_agent(rpc_world):
 def ask_for_action(ob_id, first_value):
     """What observer `ob_id` sends in --batch mode, from this process."""
     state = np.array([first_value, 0.0, 0.0, 0.0], dtype=np.float32)
-    return rpc.rpc_async(rl.AGENT_NAME, rl_batch.BatchAgent.select_action_batch,
+    return rpc.rpc_async(rpc.get_worker_info(), rl_batch.BatchAgent.select_action_batch,
                          args=(ob_id, state))
 
 
@@ -166,7 +151,7 @@ def test_a_finished_observer_is_no_longer_waited_for(batching_agent):
     assert agent.rewards[2] == [1.0, 1.0] and agent.playing == 2
 
 
-def test_the_batched_update_is_the_tutorials_update(rpc_world):
+def test_the_batched_update_is_the_tutorials_update(rl_world):
     """The batched agent keeps one tensor per forward pass and puts its rows in order at the end
     of the episode; its update must be the one the tutorial's agent makes from per-observer
     lists of the same log-probabilities. Three observers whose episodes end after 2, 1 and 3
@@ -264,6 +249,15 @@ def test_help_shows_every_default(capsys):
 
 EPISODE_LINE = re.compile(r"^Episode (\d+)\tLast reward: (\S+)\tAverage reward: (\S+)$", re.M)
 EPISODES = 25
+# --batch with two observers: its "Last reward" is the shorter of two episodes, which rises
+# slowly and unevenly. Seen with seeds 1-6 on the CPU: the mean of the last 10 of 30 episodes
+# 1.4-5 times that of the first 10. Another device samples other actions, as another seed does.
+BATCH_EPISODES = 30
+
+
+def batch_learned(rewards):
+    return np.mean(rewards[-10:]) > 1.3 * np.mean(rewards[:10])
+
 
 
 def episode_rewards(output):
@@ -271,16 +265,31 @@ def episode_rewards(output):
 
 
 @pytest.fixture(scope="module")
-def tutorial_run(tmp_path_factory):
-    """One spawn-all run of the tutorial's agent and one observer, shared by the tests below."""
-    summary = tmp_path_factory.mktemp("rl") / "summary.json"
-    run = run_example("rl_cartpole", "--max_episodes", EPISODES, "--log_interval", 1,
-                      "--master_port", find_free_port(), "--summary_json", summary, timeout=120)
-    return run, json.loads(summary.read_text()) if summary.exists() else None
+def finished(tmp_path_factory):
+    """The spawn-all runs of this file, started together:
+    - tutorial: the tutorial's agent and one observer;
+    - batch: --batch with two observers."""
+    tmp = tmp_path_factory.mktemp("rl")
+
+    def start(*args, summary=None):
+        summary_args = ("--summary_json", tmp / f"{summary}.json") if summary else ()
+        return start_example("rl_cartpole", "--log_interval", 1, *args, *summary_args,
+                             log_dir=tmp)
+
+    started = {
+        "tutorial": [start("--max_episodes", EPISODES, "--master_port", find_free_port(),
+                           summary="tutorial")],
+        "batch": [start("--world_size", 3, "--batch", "--max_episodes", BATCH_EPISODES,
+                        "--master_port", find_free_port(), summary="batch")],
+    }
+    finish_together([run for runs in started.values() for run in runs], timeout=150)
+    summaries = {name: json.loads((tmp / f"{name}.json").read_text())
+                 for name in ("tutorial", "batch") if (tmp / f"{name}.json").exists()}
+    return started, summaries
 
 
-def test_spawn_all_runs_the_tutorials_episodes(tutorial_run):
-    run, summary = tutorial_run
+def test_spawn_all_runs_the_tutorials_episodes(finished):
+    (run,), summary = finished[0]["tutorial"], finished[1]["tutorial"]
     assert run.returncode == 0, run.output
     assert [int(i) for i, _, _ in EPISODE_LINE.findall(run.stdout)] == list(range(1, EPISODES + 1))
     assert f"Stopped after {EPISODES} episodes (--max_episodes), unsolved" in run.stdout
@@ -293,21 +302,22 @@ def test_spawn_all_runs_the_tutorials_episodes(tutorial_run):
     assert summary["steps_per_second"] > 0 and summary["wall_seconds"] > 0
 
 
-def test_spawn_all_learned(tutorial_run):
-    run, summary = tutorial_run
+def test_spawn_all_learned(finished):
+    (run,), summary = finished[0]["tutorial"], finished[1]["tutorial"]
     rewards = episode_rewards(run.stdout)
     first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
     assert last > 1.5 * first, rewards  # a random policy lasts about 20 steps
     assert summary["running_reward"] > 20, summary
 
 
-def test_ranks_as_separate_commands_repeat_the_run(tutorial_run, tmp_path, runs):
+@pytest.mark.slow
+def test_ranks_as_separate_commands_repeat_the_run(finished, runs):
     """The observer started before the agent; with one observer and one seed it plays the
     episodes of the spawn-all run. Only the first 10 are compared: the weights drift apart in
     their last bits from the first update (see "Seeding" in rl_cartpole/README.md), and after
     some tens of episodes an action comes out differently."""
-    spawned, _ = tutorial_run
-    common = ["--world_size", 2, "--master_port", find_free_port(), "--max_episodes", EPISODES,
+    (spawned,) = finished[0]["tutorial"]
+    common = ["--world_size", 2, "--master_port", find_free_port(), "--max_episodes", 10,
               "--log_interval", 1]
     observer = runs.start("rl_cartpole", *common, "--rank", 1)
     agent = runs.start("rl_cartpole", *common, "--rank", 0)
@@ -315,23 +325,18 @@ def test_ranks_as_separate_commands_repeat_the_run(tutorial_run, tmp_path, runs)
         run.wait(timeout=120)
         assert run.returncode == 0, run.output
         assert not run.leftovers()
-    episodes = EPISODE_LINE.findall(agent.stdout)
-    assert len(episodes) == EPISODES
-    assert episodes[:10] == EPISODE_LINE.findall(spawned.stdout)[:10]
-    assert observer.stdout == ""
+    assert EPISODE_LINE.findall(agent.stdout) == EPISODE_LINE.findall(spawned.stdout)[:10]
+    assert re.fullmatch(r"observer1: 1 intra-op thread\(s\) on \d+ core\(s\) \(.*\)\n",
+                        observer.stdout), observer.stdout
 
 
-def test_batched_agent_with_two_observers_learns(tmp_path):
-    summary_path = tmp_path / "summary.json"
-    run = run_example("rl_cartpole", "--world_size", 3, "--batch", "--max_episodes", 20,
-                      "--log_interval", 1, "--master_port", find_free_port(),
-                      "--summary_json", summary_path, timeout=120)
+def test_batched_agent_with_two_observers_learns(finished):
+    (run,), summary = finished[0]["batch"], finished[1]["batch"]
     assert run.returncode == 0, run.output
     device = "cuda:0" if torch.cuda.device_count() else "cpu"
     assert f"Agent: batched actions for 2 observer(s), policy on {device}" in run.stdout
-    summary = json.loads(summary_path.read_text())
     assert summary["mode"] == "batch" and summary["observers"] == 2
-    assert summary["episodes"] == 20 and summary["solved"] is False
+    assert summary["episodes"] == BATCH_EPISODES and summary["solved"] is False
     rewards = episode_rewards(run.stdout)  # the shorter of the two episodes, each time
-    assert np.mean(rewards[-8:]) > 1.5 * np.mean(rewards[:8]), rewards
+    assert batch_learned(rewards), rewards
     assert summary["env_steps"] >= 2 * sum(rewards)

@@ -1,0 +1,145 @@
+"""pipeline_parallel: the two ResNet-50 shards compose to one model whatever the number of
+micro-batches, the master's training loop runs and learns for each --num_split it times, and
+bad input is refused with one line."""
+
+import json
+import re
+
+import pytest
+import torch
+from conftest import find_free_port, load_example, run_example
+from example_modules import example_modules
+
+pipeline = load_example("pipeline_parallel")
+pipeline_data = load_example("pipeline_parallel", "data")
+
+
+# --------- Pure logic, in-process --------------------
+
+@pytest.mark.parametrize("worker_rank, gpu_count, expected", [
+    (1, 0, "cpu"), (2, 0, "cpu"), (1, 1, "cuda:0"), (2, 1, "cuda:0"), (1, 2, "cuda:0"),
+    (2, 2, "cuda:1"), (2, 8, "cuda:1"),
+])
+def test_each_worker_puts_its_shard_on_its_own_gpu_if_any(worker_rank, gpu_count, expected):
+    assert str(pipeline.choose_device(worker_rank, gpu_count)) == expected
+
+
+def test_the_images_are_repeatable_and_each_class_has_its_own():
+    (images, labels), = pipeline_data.class_images(1, 200, 64, seed=3)
+    (again, _), = pipeline_data.class_images(1, 200, 64, seed=3)
+    assert images.shape == (200, 3, 64, 64) and labels.shape == (200,)
+    assert torch.equal(images, again)
+    means = torch.stack([images[labels == c].mean(0) for c in range(10)]).flatten(1)
+    distances = torch.cdist(means, means) + torch.eye(10) * 1e9
+    assert distances.min() > 0.1 * images.flatten(1).norm(dim=1).mean()  # classes stand apart
+
+
+@pytest.fixture
+def pipeline_world(rpc_world):
+    """The test process's RPC world, with pipeline_parallel's modules for RPC's pickles."""
+    with example_modules("pipeline_parallel"):
+        yield rpc_world
+
+
+def test_micro_batches_give_the_model_of_the_whole_batch(pipeline_world):
+    """With batch norm in eval mode (running statistics, not the micro-batch's), cutting a batch
+    of 5 into 1, 2 or 5 micro-batches gives the same outputs, in the batch's order."""
+    torch.manual_seed(0)
+    model = pipeline.DistResNet50(1, [pipeline_world, pipeline_world])
+    shards = [model.p1_rref.local_value(), model.p2_rref.local_value()]
+    for shard in shards:
+        shard.eval()
+    images = torch.randn(5, 3, 64, 64)
+    with torch.no_grad():
+        whole = model(images)
+        assert whole.shape == (5, pipeline.num_classes)
+        for num_split in (2, 5):
+            model.num_split = num_split
+            assert torch.allclose(model(images), whole, atol=1e-5)
+    # every parameter of both shards, for DistributedOptimizer
+    assert [rref.to_here() for rref in model.parameter_rrefs()] == [
+        p for shard in shards for p in shard.parameters()]
+
+
+# --------- Command line, in-process --------------------
+
+def bad_input_message(capsys, argv):
+    with pytest.raises(SystemExit) as exited:
+        pipeline.parse_args(["--master_port", str(find_free_port()), *argv])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--world_size", "4"], "runs 3 ranks"),
+    (["--world_size", "2"], "must be at least 3"),
+    (["--num_split", "0"], "each must be at least 1"),
+    (["--num_split", "1,two"], "expected numbers separated by commas"),
+    (["--num_split", "64"], "more micro-batches than the 32 images"),
+    (["--image_size", "32"], "must be at least 64"),
+    (["--batch_size", "0"], "must be at least 1"),
+    (["--lr", "-1"], "greater than 0"),
+])
+def test_bad_input_is_one_line_and_status_2(capsys, argv, expected):
+    assert expected in bad_input_message(capsys, argv)
+
+
+def test_num_split_takes_one_count_or_several():
+    port = str(find_free_port())
+    assert pipeline.parse_args(["--master_port", port, "--num_split", "4"]).num_split == [4]
+    assert pipeline.parse_args(["--master_port", port]).num_split == [1, 2, 4, 8]
+
+
+# --------- Whole runs --------------------
+
+# Small enough for a test: 16 images of 64 x 64 a batch, 12 batches, at the learning rate that
+# falls steadily at that size (seen: 2.3 -> 1.0-1.5 with 1, 2 or 4 micro-batches).
+SMALL = ("--batch_size", 16, "--num_batches", 12, "--lr", 0.02)
+
+
+@pytest.fixture(scope="module")
+def spawn_all(tmp_path_factory):
+    """Every rank from one command, 2 micro-batches a batch."""
+    summary = tmp_path_factory.mktemp("pipeline") / "summary.json"
+    run = run_example("pipeline_parallel", *SMALL, "--num_split", 2, "--master_port",
+                      find_free_port(), "--summary_json", summary, timeout=180)
+    return run, json.loads(summary.read_text()) if summary.exists() else None
+
+
+def test_spawn_all_runs_the_tutorials_loop(spawn_all):
+    run, summary = spawn_all
+    assert run.returncode == 0, run.output
+    assert re.findall(r"^Processing batch (\d+)$", run.stdout, re.M) == [str(i) for i in
+                                                                      range(12)]
+    assert re.search(r"^number of splits = 2, execution time = \d+\.\d+$", run.stdout, re.M)
+    assert set(summary["splits"]) == {"2"} and summary["splits"]["2"]["seconds_per_batch"] > 0
+
+
+def test_spawn_all_learned(spawn_all):
+    run, _ = spawn_all
+    losses = [float(loss) for loss in re.findall(r"^num_split 2, batch \d+: loss (\S+),",
+                                                  run.stdout, re.M)]
+    assert len(losses) == 12
+    assert sum(losses[-3:]) / 3 < 0.8 * losses[0], losses  # 2.3 is guessing 1 of 10
+
+
+@pytest.mark.slow
+def test_ranks_as_separate_commands_in_any_order_time_each_num_split(tmp_path, runs):
+    """One command per rank, worker2 first; two settings of --num_split, each timed."""
+    common = ["--batch_size", 4, "--num_batches", 2, "--num_split", "1,4",
+              "--master_port", find_free_port()]
+    worker2 = runs.start("pipeline_parallel", *common, "--rank", 2)
+    worker1 = runs.start("pipeline_parallel", *common, "--rank", 1)
+    master = runs.start("pipeline_parallel", *common, "--rank", 0,
+                        "--summary_json", tmp_path / "summary.json")
+    for run in (master, worker1, worker2):
+        run.wait(timeout=180)
+        assert run.returncode == 0, run.output
+        assert not run.leftovers()
+    for num_split in (1, 4):
+        assert re.search(rf"^number of splits = {num_split}, execution time = \d+\.\d+$",
+                         master.stdout, re.M)
+    assert set(json.loads((tmp_path / "summary.json").read_text())["splits"]) == {"1", "4"}
+    assert worker1.stdout.startswith("worker1: ") and "Processing batch" not in worker1.stdout
