@@ -6,6 +6,25 @@ import torch.nn as nn
 from torch.distributed.rpc import RRef
 
 
+# Runs on the owner of rref: the method, called on the object that rref holds.
+def _call_method(method, rref, *args, **kwargs):
+    return method(rref.local_value(), *args, **kwargs)
+
+
+# Calls the method on the object that rref holds, on its owner, and returns the result.
+def _remote_method(method, rref, *args, **kwargs):
+    args = [method, rref] + list(args)
+    return rpc.rpc_sync(rref.owner(), _call_method, args=args, kwargs=kwargs)
+
+
+# An RRef to each parameter of a local module, for DistributedOptimizer.
+def _parameter_rrefs(module):
+    param_rrefs = []
+    for param in module.parameters():
+        param_rrefs.append(RRef(param))
+    return param_rrefs
+
+
 def choose_embedding_device(gpu_count):
     """cuda:0 when the machine has a GPU, as in the tutorial, else the CPU. gpu_count is a
     parameter so that tests can fake it."""
@@ -39,25 +58,6 @@ class Decoder(nn.Module):
 
     def forward(self, output):
         return self.decoder(self.drop(output))
-
-
-# Runs on the owner of rref: the method, called on the object that rref holds.
-def _call_method(method, rref, *args, **kwargs):
-    return method(rref.local_value(), *args, **kwargs)
-
-
-# Calls the method on the object that rref holds, on its owner, and returns the result.
-def _remote_method(method, rref, *args, **kwargs):
-    args = [method, rref] + list(args)
-    return rpc.rpc_sync(rref.owner(), _call_method, args=args, kwargs=kwargs)
-
-
-# An RRef to each parameter of a local module, for DistributedOptimizer.
-def _parameter_rrefs(module):
-    param_rrefs = []
-    for param in module.parameters():
-        param_rrefs.append(RRef(param))
-    return param_rrefs
 
 
 class RNNModel(nn.Module):
