@@ -123,6 +123,7 @@ class Trainer:
         rank = rpc.get_worker_info().id
         # the initial model, from the parameter server
         m = self.ps_rref.rpc_sync().get_model().to(self.device)
+        print(f"{name} trains its copy of the model on {self.device}")
         started = time.perf_counter()
         for i, (inputs, labels) in enumerate(self.get_next_batch()):
             log = i % self.args.log_interval == 0

@@ -52,6 +52,7 @@ class ResNetBase(nn.Module):
         self.base_width = width_per_group
         # The shard's device, chosen on its own worker: the master cannot see the worker's GPUs.
         self.device = choose_device(rpc.get_worker_info().id, torch.cuda.device_count())
+        print(f"{type(self).__name__} on {rpc.get_worker_info().name}, {self.device}")
 
     def _make_layer(self, planes, blocks, stride=1):
         norm_layer = self._norm_layer

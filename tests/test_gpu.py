@@ -1,0 +1,80 @@
+"""Every example's CUDA path, end to end, as the tutorials place things on GPUs. Marked gpu, and
+skipped, saying why, on a machine without CUDA; on one with GPUs they run with everything else
+(`make test`), or alone with `pytest -m gpu`."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from conftest import find_free_port, run_example
+
+GPUS = torch.cuda.device_count()
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(GPUS == 0, reason="needs CUDA, and this machine has no GPU")]
+two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs two GPUs, and this machine has {GPUS}")
+
+
+def run(example, tmp_path, *args, timeout=240):
+    """Run an example to the end with --summary_json; (its run, its summary)."""
+    summary = tmp_path / "summary.json"
+    finished = run_example(example, *args, "--master_port", find_free_port(),
+                           "--summary_json", summary, timeout=timeout)
+    assert finished.returncode == 0, finished.output
+    return finished, json.loads(summary.read_text())
+
+
+@pytest.mark.parametrize("num_gpus", [1, pytest.param(2, marks=two_gpus)])
+def test_param_server_puts_the_model_on_its_gpus(tmp_path, num_gpus):
+    finished, summary = run("param_server", tmp_path, "--num_gpus", num_gpus, "--world_size", 2,
+                            "--dataset", "synthetic", "--max_batches", 60, "--log_interval", 20)
+    assert f"Using {num_gpus} GPUs to train" in finished.stdout
+    assert "Putting first 2 convs on cuda:0" in finished.stdout
+    assert f"Putting rest of layers on cuda:{num_gpus - 1}" in finished.stdout
+    assert summary["accuracy"] >= 0.8, summary  # chance is 0.1; 0.9 and more on the CPU
+
+
+def test_param_server_batch_trainers_train_on_the_gpu(tmp_path):
+    finished, summary = run("param_server", tmp_path, "--batch", "--world_size", 3,
+                            "--dataset", "synthetic", "--max_batches", 60, "--log_interval", 20)
+    for trainer in ("trainer1", "trainer2"):
+        assert f"{trainer} trains its copy of the model on cuda:0" in finished.stdout
+    assert summary["identical_final_weights"] is True and summary["short_updates"] == 0
+    assert min(summary["accuracy_per_trainer"].values()) >= 0.7, summary
+
+
+def test_rl_cartpole_batch_puts_the_policy_on_the_gpu(tmp_path):
+    finished, summary = run("rl_cartpole", tmp_path, "--world_size", 3, "--batch",
+                            "--max_episodes", 30, "--log_interval", 1)
+    assert "Agent: batched actions for 2 observer(s), policy on cuda:0" in finished.stdout
+    rewards = [float(r) for r in re.findall(r"^Episode \d+\tLast reward: (\S+)\t",
+                                            finished.stdout, re.M)]
+    assert np.mean(rewards[-10:]) > 1.3 * np.mean(rewards[:10]), rewards  # as on the CPU
+    assert summary["episodes"] == 30
+
+
+def test_rnn_model_parallel_puts_the_table_on_the_gpu(tmp_path):
+    finished, summary = run("rnn_model_parallel", tmp_path, "--epochs", 3)
+    assert "Embedding table on ps (cuda:0), LSTM local, decoder on ps" in finished.stdout
+    assert summary["last_loss"] < 0.75 * summary["first_loss"], summary
+
+
+@pytest.mark.parametrize("trainers", [1, pytest.param(2, marks=two_gpus)])
+def test_ddp_rpc_hybrid_trains_on_nccl(tmp_path, trainers):
+    """NCCL with trainer R on cuda:R when every trainer has a GPU: one trainer on one GPU."""
+    _, summary = run("ddp_rpc_hybrid", tmp_path, "--world_size", trainers + 2, "--epochs", 5)
+    assert summary["backend"] == "nccl"
+    assert summary["dense_weights_identical"] and summary["embedding_table_changed"]
+    for name, last in summary["last_loss"].items():
+        assert last < 0.7 * summary["first_loss"][name], summary
+
+
+def test_pipeline_parallel_puts_the_shards_on_the_gpus(tmp_path):
+    """Each shard on a GPU of its worker's machine: with one GPU both share it."""
+    finished, summary = run("pipeline_parallel", tmp_path, "--num_split", 2, "--batch_size", 16,
+                            "--num_batches", 12, "--lr", 0.02)
+    assert "ResNetShard1 on worker1, cuda:0" in finished.stdout
+    assert f"ResNetShard2 on worker2, cuda:{1 if GPUS > 1 else 0}" in finished.stdout
+    split = summary["splits"]["2"]
+    assert split["last_loss"] < split["first_loss"], summary
