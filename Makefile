@@ -1,4 +1,4 @@
-# `make run`: the four examples end to end with small settings. `make test`: lint and tests.
+# `make run`: every example end to end with small settings. `make test`: lint and tests.
 # Both create .venv on first use; a requirements file that changed is reinstalled (stamp files).
 PYTHON ?= python3
 VENV := .venv
@@ -45,10 +45,12 @@ run: $(VENV)/.run-installed
 	  --nhid 64 --bptt 35 --batch_size 20 --epochs 5
 	@echo "== ddp_rpc_hybrid: 2 trainers under DDP, a master, an EmbeddingBag on ps"
 	@$(PY) ddp_rpc_hybrid/main.py --epochs 20
+	@echo "== pipeline_parallel: ResNet-50 in two shards, 1 and then 4 micro-batches a batch"
+	@$(PY) pipeline_parallel/main.py --num_split 1,4 --batch_size 16 --num_batches 10
 
-# bench/RESULTS.md and bench/ratios.png: RPC against one process, side by side (8-9 minutes on
-# 2 cores; QUICK=1: one shorter repetition, under 2 minutes). SOLVE=1: instead, rl_cartpole
-# trained until solved, two ways, into bench/SOLVE.md (about 8 minutes).
+# bench/RESULTS-<cores>-cores.md and its chart: RPC against one process, side by side (13-17
+# minutes on 2 cores; QUICK=1: one shorter repetition, 4-5 minutes). SOLVE=1: instead,
+# rl_cartpole trained until solved, two ways, into bench/SOLVE.md (about 8 minutes).
 bench: $(VENV)/.dev-installed
 	$(PY) bench/bench.py $(if $(QUICK),--quick) $(if $(SOLVE),--solve)
 

@@ -26,8 +26,7 @@ def _parameter_rrefs(module):
 
 
 def choose_embedding_device(gpu_count):
-    """cuda:0 when the machine has a GPU, as in the tutorial, else the CPU. gpu_count is a
-    parameter so that tests can fake it."""
+    """cuda:0 if the machine has a GPU, as in the tutorial, else the CPU (tests fake the count)."""
     return torch.device("cuda:0" if gpu_count > 0 else "cpu")
 
 

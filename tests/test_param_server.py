@@ -275,6 +275,8 @@ def test_batch_mode_runs_the_batch_tutorials_server_and_trainers(batch_run):
                  "trainer1 processing one batch", "trainer2 reporting grads",
                  "trainer1 got updated model", "Finish training"):
         assert re.search(rf"^\d\d:\d\d:\d\d {line}$", run.stdout, re.M), line
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert f"trainer2 trains its copy of the model on {device}" in run.stdout
     assert len(re.findall(r"^Accuracy 0\.\d+$", run.stdout, re.M)) == 2
     assert summary["mode"] == "batch" and summary["trainers"] == 2
     assert summary["batches_per_trainer"] == {"trainer1": 60, "trainer2": 60}

@@ -115,6 +115,8 @@ def test_spawn_all_runs_the_tutorials_loop(spawn_all):
                                                                       range(12)]
     assert re.search(r"^number of splits = 2, execution time = \d+\.\d+$", run.stdout, re.M)
     assert set(summary["splits"]) == {"2"} and summary["splits"]["2"]["seconds_per_batch"] > 0
+    on_gpu = torch.cuda.is_available()  # test_gpu.py checks where the shards go on a GPU
+    assert f"ResNetShard1 on worker1, {'cuda:0' if on_gpu else 'cpu'}" in run.stdout
 
 
 def test_spawn_all_learned(spawn_all):
