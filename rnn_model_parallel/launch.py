@@ -66,12 +66,19 @@ warnings.showwarning = _show_warning_unless_torchscript_optimizer
 
 # --------- Command line --------------------
 
+class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Every default in --help but None, which the flag's help explains ("unset: ...")."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """Shows every default in --help, and reports bad input as one line (no usage block) and
     exit status 2."""
 
     def __init__(self, **kwargs):
-        super().__init__(formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+        super().__init__(formatter_class=_ShowDefaults, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
