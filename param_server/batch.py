@@ -24,8 +24,10 @@ from torch import optim
 import launch
 from data import get_data_loaders
 
-# main.py's classes (imported as a module: its `if __name__ == "__main__"` part does not run).
+# main.py's classes and summary (imported as a module: its `if __name__ == "__main__"` part
+# does not run).
 from main import Net, get_accuracy
+from main import write_summary as write_tutorial_summary
 
 
 def timed_log(text):
@@ -199,21 +201,12 @@ def equal_share_batches(train_loader, num_trainers, args):
 
 
 def write_summary(args, ps, reports):
-    accuracy = sum(r["accuracy"] for r in reports.values()) / len(reports)
-    samples = sum(r["batches"] for r in reports.values()) * args.batch_size
-    samples_per_second = samples / max(r["train_seconds"] for r in reports.values())
+    """main.py's summary, with what the batch-updating server counted."""
     identical = len({r["weights"] for r in reports.values()}) == 1
-    launch.write_summary(
-        {"example": "param_server", "mode": "batch", "dataset": args.dataset,
-         "world_size": args.world_size, "trainers": len(reports), "epochs": args.epochs,
-         "accuracy": accuracy, "samples": samples,
-         "samples_per_second": round(samples_per_second, 1),
-         "train_seconds": round(max(r["train_seconds"] for r in reports.values()), 3),
-         "accuracy_per_trainer": {name: r["accuracy"] for name, r in reports.items()},
-         "batches_per_trainer": {name: r["batches"] for name, r in reports.items()},
-         "batch_update_size": ps.batch_update_size, "model_versions": ps.versions,
+    write_tutorial_summary(
+        args, reports, "batch",
+        {"batch_update_size": ps.batch_update_size, "model_versions": ps.versions,
          "gradients": ps.gradients, "short_updates": ps.short_updates,
          "identical_final_weights": identical},
-        f"accuracy {accuracy:.4f} over {len(reports)} trainer(s), {samples_per_second:.1f} "
-        f"samples/s, {ps.versions} model versions of {ps.batch_update_size} gradients, final "
-        f"weights {'identical' if identical else 'DIFFERENT'}")
+        f", {ps.versions} model versions of {ps.batch_update_size} gradients, final weights "
+        f"{'identical' if identical else 'DIFFERENT'}")

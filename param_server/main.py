@@ -144,6 +144,7 @@ def get_parameter_server(num_gpus=0):
 def run_parameter_server(rank, world_size, args):
     # The server only hosts the model and answers the trainers. It builds the model now, from
     # its own --num_gpus, before any trainer asks for it.
+    torch.manual_seed(args.seed)
     get_parameter_server(num_gpus=args.num_gpus)
     print("PS master initializing RPC")
     launch.init_rpc_with_timeout("parameter_server", rank=rank, world_size=world_size)
@@ -256,22 +257,24 @@ def run(rank, world_size, args):
         run_worker(rank, world_size, args.num_gpus, train_loader, test_loader, args)
 
 
-def write_summary(args, reports):
-    """The run's figures, from what each trainer reported when it finished."""
+def write_summary(args, reports, mode="tutorial", more=None, more_line=""):
+    """The run's figures, from what each trainer reported when it finished; --batch adds its
+    own (`more`, `more_line`)."""
     trainers = {name: report for name, report in sorted(reports.items()) if report}
     accuracy = sum(r["accuracy"] for r in trainers.values()) / len(trainers)
     samples = sum(r["batches"] for r in trainers.values()) * args.batch_size
     samples_per_second = samples / max(r["train_seconds"] for r in trainers.values())
     launch.write_summary(
-        {"example": "param_server", "mode": "tutorial", "dataset": args.dataset,
+        {"example": "param_server", "mode": mode, "dataset": args.dataset,
          "world_size": args.world_size, "trainers": len(trainers), "epochs": args.epochs,
          "accuracy": accuracy, "samples": samples,
          "samples_per_second": round(samples_per_second, 1),
          "train_seconds": round(max(r["train_seconds"] for r in trainers.values()), 3),
          "accuracy_per_trainer": {name: r["accuracy"] for name, r in trainers.items()},
-         "batches_per_trainer": {name: r["batches"] for name, r in trainers.items()}},
+         "batches_per_trainer": {name: r["batches"] for name, r in trainers.items()},
+         **(more or {})},
         f"accuracy {accuracy:.4f} over {len(trainers)} trainer(s), "
-        f"{samples_per_second:.1f} samples/s")
+        f"{samples_per_second:.1f} samples/s{more_line}")
 
 
 def parse_args(argv=None):
@@ -297,8 +300,9 @@ def parse_args(argv=None):
         help="end each trainer's epoch after this many batches (for short runs)")
     add("--batch_size", "--batch-size", type=at_least(1), default=32, metavar="N",
         help="batch size")
-    add("--lr", type=launch.positive_float, default=0.03, metavar="RATE",
-        help="SGD learning rate")
+    add("--lr", type=launch.positive_float, default=None, metavar="RATE",
+        help="SGD learning rate (default: 0.03, the tutorial's; with --batch, 0.03 times "
+             "--batch_update_size, as each of its steps averages that many gradients)")
     add("--log_interval", "--log-interval", type=at_least(1), default=5, metavar="N",
         help="print the loss every this many batches")
     add("--batch", action="store_true",
@@ -313,6 +317,8 @@ def parse_args(argv=None):
     if (args.batch_update_size or 0) > args.world_size - 1:
         parser.error(f"--batch_update_size {args.batch_update_size} is more than the "
                      f"{args.world_size - 1} trainer(s) of a world of {args.world_size}")
+    if args.lr is None:  # a --batch step takes the place of batch_update_size steps
+        args.lr = 0.03 * ((args.batch_update_size or args.world_size - 1) if args.batch else 1)
     if args.rank in (None, 0):  # the model lives on the parameter server
         try:
             choose_devices(args.num_gpus, torch.cuda.device_count())

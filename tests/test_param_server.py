@@ -135,6 +135,16 @@ def test_every_trainer_trains_as_many_batches():
 
 # --------- Command line, in-process --------------------
 
+@pytest.mark.parametrize("flags, lr", [
+    ((), 0.03), (("--batch",), 0.09), (("--batch", "--batch_update_size", "2"), 0.06),
+    (("--batch", "--lr", "0.05"), 0.05), (("--lr", "0.05"), 0.05)])
+def test_a_batch_step_of_n_gradients_takes_n_times_the_learning_rate(flags, lr):
+    """--batch averages the gradients of batch_update_size trainers in one step, where the
+    tutorial's server would take that many steps: the default learning rate scales with it."""
+    args = ps.parse_args(["--dataset", "synthetic", "--world_size", "4", *flags])
+    assert args.lr == pytest.approx(lr)
+
+
 def bad_input_message(capsys, argv):
     with pytest.raises(SystemExit) as exited:
         ps.parse_args(argv)
@@ -200,7 +210,8 @@ def test_help_shows_every_default(capsys):
     assert exited.value.code == 0
     for flag in ("--world_size", "--master_port", "--epochs", "--lr", "--init_timeout"):
         assert flag in out
-    assert "(default: 4)" in out and "(default: 0.03)" in out and "(default: 29500)" in out
+    assert "(default: 4)" in out and "(default: 32)" in out and "(default: 29500)" in out
+    assert "(default: None)" not in out  # an unset flag's help says what unset means
 
 
 # --------- Whole runs --------------------
