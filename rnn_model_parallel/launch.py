@@ -4,7 +4,8 @@ How the ranks start (all on this machine, one per --rank, or under torchrun), ho
 and how every wait is bounded. The tutorials start each rank with rpc.init_rpc() and end it
 with rpc.shutdown(), both of which wait for every other rank with no practical time limit: a
 rank that never starts, or dies mid-run, leaves the others waiting forever. Here:
-  - init_rpc_with_timeout() is rpc.init_rpc(), given up after --init_timeout seconds;
+  - init_rpc_with_timeout() is rpc.init_rpc(), given up after --init_timeout seconds; from
+    then until the rank finishes, _watch_peers() ends it within two heartbeats of a peer's death;
   - finish_and_shutdown() tells every peer that this rank is done, then waits until all are,
     asking the ones still working every HEARTBEAT_SECONDS whether they are alive; only then
     does it call rpc.shutdown(), which returns at once;
@@ -438,6 +439,7 @@ def keep_freed_memory():
 HEARTBEAT_SECONDS = 1.0
 _reports = {}  # peer name -> what it reported when it finished
 _reports_changed = threading.Condition()
+_finishing = threading.Event()  # set when this rank starts to finish: the watch ends
 
 
 def init_rpc_with_timeout(name, rank, world_size, num_worker_threads=16):
@@ -472,6 +474,31 @@ def init_rpc_with_timeout(name, rank, world_size, num_worker_threads=16):
         timer.cancel()
     _name = name
     _rpc_ready.set()
+    threading.Thread(target=_watch_peers, daemon=True).start()
+
+
+def _watch_peers():
+    """Until this rank starts to finish, ask every HEARTBEAT_SECONDS whether its peers are
+    there (rank 0 asks every other rank, the others ask rank 0: a death reaches everyone in two
+    beats), and end the rank as soon as one is gone, wherever its own work waits. A call that
+    needs the dead peer only through another rank (an RRef the dead peer owns, say) can
+    otherwise hang until TensorPipe gives up retrying or --rpc_timeout. No answer within
+    --rpc_timeout (a busy peer) is not taken for a death; --rpc_timeout bounds that case."""
+    me = rpc.get_worker_info().id
+    peers = ([_worker_name(rank, _args.world_size) for rank in range(1, _args.world_size)]
+             if me == 0 else [_worker_name(0, _args.world_size)])
+    while not _finishing.wait(HEARTBEAT_SECONDS):
+        for peer in peers:
+            try:
+                rpc.rpc_async(peer, _answer, timeout=_args.rpc_timeout).wait()
+            except Exception as err:  # noqa: BLE001 - any error but a timeout is a lost peer
+                if _finishing.is_set() or "timeout" in str(err).lower():
+                    continue
+                everyone = [_worker_name(rank, _args.world_size)
+                            for rank in range(_args.world_size) if rank != me]
+                lost = _unreachable(everyone) or [peer]
+                _exit(f"{_name}: lost contact with {', '.join(lost)} ({_first_line(err)}); "
+                      "stopping")
 
 
 def _listen(addr, port):
@@ -522,6 +549,7 @@ def init_process_group_with_timeout(name, backend, rank, world_size):
 def finish_and_shutdown(report=None):
     """Tell every peer that this rank is done (with its report), wait until every peer is done,
     then rpc.shutdown(). Returns every peer's report."""
+    _finishing.set()  # the heartbeat below takes over from _watch_peers
     peers = [_worker_name(rank, _args.world_size) for rank in range(_args.world_size)]
     peers.remove(_name)
     for peer in peers:
