@@ -42,7 +42,8 @@ class BatchUpdateParameterServer:
         self.future_model = torch.futures.Future()
         self.batch_update_size = batch_update_size
         self.curr_update_size = 0
-        # main.py's optimizer (the tutorial's momentum=0.9 too), so that the two ways compare
+        # plain SGD, as main.py's (the tutorial's has momentum=0.9), so that the two ways compare;
+        # --lr defaults to 0.03 x batch_update_size here, as each step averages that many gradients
         self.optimizer = optim.SGD(self.model.parameters(), lr=args.lr)
         for p in self.model.parameters():
             p.grad = torch.zeros_like(p)

@@ -336,7 +336,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.batch:
-        import batch  # the batch tutorial's server; it imports Net and get_accuracy from here
+        import batch  # the batch tutorial's server; it imports Net, get_accuracy, write_summary
         # the trainers train, the server averages their gradients
         launch.start(args, batch.run, batch.worker_name, heavy=lambda rank, _: rank != 0)
     else:
