@@ -304,11 +304,13 @@ def test_batch_mode_is_synchronous(batch_run):
 
 def test_batch_mode_learned(batch_run):
     run, summary = batch_run
-    # Seen on 2 cores: 0.86-0.96 after 60 steps of 64 samples (seeds 1-3); chance is 0.1.
+    # Seen on 2 cores: 0.86-0.97 after 60 steps of 64 samples; chance is 0.1.
     assert min(summary["accuracy_per_trainer"].values()) >= 0.7, summary
+    # One batch's loss at step 40: 0.47-0.78 in most runs (from 2.3), 1.75 in one slow run
+    # that still passed the accuracy check.
     for rank in (1, 2):
         losses = logged_losses(run.stdout, rank)
-        assert len(losses) == 3 and losses[-1] < losses[0] * 0.5, losses
+        assert len(losses) == 3 and losses[-1] < losses[0] * 0.8, losses
 
 
 @pytest.mark.slow
