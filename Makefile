@@ -1,10 +1,13 @@
 # `make run`: every example end to end with small settings. `make test`: lint and tests.
 # Both create .venv on first use; a requirements file that changed is reinstalled (stamp files).
+# `make test-oldest`: the quick tests on the oldest versions requirements.txt allows, in
+# .venv-oldest (requirements-oldest.txt pins them).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+OLDEST := .venv-oldest
 
-.PHONY: run test test-quick bench clean
+.PHONY: run test test-quick test-oldest bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +27,16 @@ test: $(VENV)/.dev-installed
 test-quick: $(VENV)/.dev-installed
 	$(PY) -m ruff check .
 	$(PY) -m pytest -m "not slow"
+
+$(OLDEST)/bin/python:
+	$(PYTHON) -m venv $(OLDEST)
+
+$(OLDEST)/.installed: requirements-oldest.txt requirements-dev.txt | $(OLDEST)/bin/python
+	$(OLDEST)/bin/python -m pip install --quiet -r requirements-oldest.txt -r requirements-dev.txt
+	touch $@
+
+test-oldest: $(OLDEST)/.installed
+	$(OLDEST)/bin/python -m pytest -m "not slow"
 
 # The parameter server trains on MNIST when it is in data/ or can be downloaded; otherwise
 # main.py exits 2 before starting anything, and the tour runs it on the synthetic digits.
@@ -55,4 +68,4 @@ bench: $(VENV)/.dev-installed
 	$(PY) bench/bench.py $(if $(QUICK),--quick) $(if $(SOLVE),--solve)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) .pytest_cache .ruff_cache

@@ -14,6 +14,9 @@ starts the ranks and bounds every wait.
 import random
 import time
 
+import launch  # before torch: it sets what torch reads when it is imported
+
+# isort: split
 import torch
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
@@ -22,8 +25,6 @@ from torch import optim
 from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import launch
 
 NUM_EMBEDDINGS = 100
 EMBEDDING_DIM = 16
@@ -203,6 +204,17 @@ def worker_name(rank, world_size):
     return "master" if rank == num_trainers else "ps"
 
 
+def doing(rank, world_size):
+    """What each rank does, said when it has joined."""
+    num_trainers = world_size - 2
+    if rank < num_trainers:
+        return (f"training the dense layer under DDP with {num_trainers} trainer(s) and the "
+                "embedding table on ps, when master starts the loop")
+    if rank == num_trainers:
+        return f"starting the training loop on {num_trainers} trainer(s)"
+    return "holding the embedding table for the trainers"
+
+
 def write_summary(args, results, table_before, table_after):
     """Proof that both halves trained: DDP kept the trainers' dense layers identical, and the
     table on ps has moved."""
@@ -234,25 +246,25 @@ def parse_args(argv=None):
     parser = launch.ArgumentParser(
         description="DistributedDataParallel with distributed RPC: an nn.EmbeddingBag on the "
                     "parameter server ps, an nn.Linear replicated under DDP on the trainers, "
-                    "driven by the master. Rank 0 (trainer0) hosts RPC's rendezvous on "
-                    "--master_port and the trainers' process group for DDP on --master_port + 1; "
-                    "--init_timeout bounds both, and each of DDP's allreduces.")
+                    "driven by the master. Rank 0 (trainer0) hosts the rendezvous on "
+                    "--master_port, where RPC and the trainers' process group for DDP both "
+                    "start; --init_timeout bounds the wait, and each of DDP's allreduces.")
     # auto (shared memory): each iteration is a few tiny messages, latency-bound.
     launch.add_launch_arguments(parser, world_size=4, min_world_size=3,
                                 roles="N-2 trainers (ranks 0 to N-3), the master (rank N-2) and "
                                       "the parameter server ps (rank N-1)", rpc_transport="auto")
     add = parser.add_argument
     add("--epochs", type=launch.int_at_least(1), default=100, metavar="N",
-        help="epochs of training on each trainer (the master's value counts)")
+        help="epochs of training on each trainer")
     add("--batches_per_epoch", "--batches-per-epoch", type=launch.int_at_least(1), default=10,
-        metavar="N", help="batches in each epoch (the master's value counts)")
-    return launch.parse_args(parser, argv, min_world_size=3, process_group_port=True)
+        metavar="N", help="batches in each epoch")
+    return launch.parse_args(parser, argv, min_world_size=3)
 
 
 def main(argv=None):
     args = parse_args(argv)
     # A model this small gains nothing from more threads: one thread for every rank.
-    launch.start(args, run_worker, worker_name, heavy=lambda rank, world_size: False)
+    launch.start(args, run_worker, worker_name, doing, heavy=lambda rank, world_size: False)
 
 
 if __name__ == "__main__":

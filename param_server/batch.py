@@ -194,6 +194,13 @@ def worker_name(rank, world_size):
     return "ps" if rank == 0 else f"trainer{rank}"
 
 
+def doing(rank, world_size):
+    """What each rank does, said when it has joined."""
+    if rank == 0:
+        return f"averaging the gradients of {world_size - 1} trainer(s) into the model"
+    return "training copies of the model from ps"
+
+
 def equal_share_batches(train_loader, num_trainers, args):
     """Batches per epoch for every trainer: the most that the smallest share holds (shares
     differ by a sample at most), at most --max_batches."""

@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 from threading import Lock
 
+import launch  # before torch: it sets what torch reads when it is imported
+
+# isort: split
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
@@ -20,7 +23,6 @@ import torch.nn.functional as F
 from torch import optim
 from torch.distributed.optim import DistributedOptimizer
 
-import launch
 from data import DATA_DIR, SYNTHETIC_TEST_SIZE, SYNTHETIC_TRAIN_SIZE, check_mnist, get_data_loaders
 
 # --------- MNIST Training Network to train, from pytorch/examples -----
@@ -248,6 +250,13 @@ def worker_name(rank, world_size):
     return "parameter_server" if rank == 0 else f"trainer_{rank}"
 
 
+def doing(rank, world_size):
+    """What each rank does, said when it has joined."""
+    if rank == 0:
+        return f"holding the model for {world_size - 1} trainer(s)"
+    return "training the model on parameter_server"
+
+
 def run(rank, world_size, args):
     if rank == 0:
         run_parameter_server(rank, world_size, args)
@@ -274,7 +283,7 @@ def write_summary(args, reports, mode="tutorial", more=None, more_line=""):
          "batches_per_trainer": {name: r["batches"] for name, r in trainers.items()},
          **(more or {})},
         f"accuracy {accuracy:.4f} over {len(trainers)} trainer(s), "
-        f"{samples_per_second:.1f} samples/s{more_line}")
+        f"{samples_per_second:.1f} samples/s in training{more_line}")
 
 
 def parse_args(argv=None):
@@ -311,7 +320,7 @@ def parse_args(argv=None):
              "trainers")
     add("--batch_update_size", "--batch-update-size", type=at_least(1), default=None,
         metavar="N", help="with --batch: gradients in each step (default: the number of trainers)")
-    args = launch.parse_args(parser, argv, min_world_size=2)
+    args = launch.parse_args(parser, argv, min_world_size=2, per_rank=["data_dir"])
     if args.batch_update_size is not None and not args.batch:
         parser.error("--batch_update_size applies with --batch only")
     if (args.batch_update_size or 0) > args.world_size - 1:
@@ -338,10 +347,11 @@ def main(argv=None):
     if args.batch:
         import batch  # the batch tutorial's server; it imports Net, get_accuracy, write_summary
         # the trainers train, the server averages their gradients
-        launch.start(args, batch.run, batch.worker_name, heavy=lambda rank, _: rank != 0)
+        launch.start(args, batch.run, batch.worker_name, batch.doing,
+                     heavy=lambda rank, _: rank != 0)
     else:
         # the server runs the model, the trainers wait for it
-        launch.start(args, run, worker_name, heavy=lambda rank, _: rank == 0)
+        launch.start(args, run, worker_name, doing, heavy=lambda rank, _: rank == 0)
 
 
 if __name__ == "__main__":

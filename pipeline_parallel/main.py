@@ -10,6 +10,9 @@ holds the data. `python main.py`, or `--rank R` in each of three terminals.
 import threading
 import time
 
+import launch  # before torch: it sets what torch reads when it is imported
+
+# isort: split
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
@@ -19,7 +22,6 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 from torchvision.models.resnet import Bottleneck
 
-import launch
 from data import NUM_CLASSES, class_images
 
 # Step 1: Partition ResNet50 Model
@@ -233,6 +235,13 @@ def worker_name(rank, world_size):
     return "master" if rank == 0 else f"worker{rank}"
 
 
+def doing(rank, world_size):
+    """What each rank does, said when it has joined."""
+    if rank == 0:
+        return "sending micro-batches through worker1 and worker2"
+    return f"running shard {rank} of ResNet-50 for master"
+
+
 def write_summary(args, results):
     """Seconds per batch for each num_split, without each setting's first batch (its warm-up:
     first allocations, and the first messages between the workers)."""
@@ -247,7 +256,7 @@ def write_summary(args, results):
          "image_size": args.image_size, "num_batches": args.num_batches, "splits": splits},
         ", ".join(f"num_split {n}: {s['seconds_per_batch']:.3f} s a batch, loss "
                   f"{s['first_loss']:.3f} -> {s['last_loss']:.3f}" for n, s in splits.items())
-        + f"; fastest: num_split {best}")
+        + (f"; fastest: num_split {best}" if len(splits) > 1 else ""))
 
 
 def parse_args(argv=None):
@@ -287,7 +296,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     # the workers run the shards, the master waits for them
-    launch.start(args, run_worker, worker_name, heavy=lambda rank, _: rank != 0)
+    launch.start(args, run_worker, worker_name, doing, heavy=lambda rank, _: rank != 0)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ batch.py is `--batch`, the agent of the batch RPC tutorial, built on the classes
 import time
 from itertools import count
 
+import launch  # before torch: it sets what torch reads when it is imported
+
+# isort: split
 import gymnasium as gym
 import numpy as np
 import torch
@@ -22,8 +25,6 @@ import torch.nn.functional as F
 import torch.optim as optim
 from torch.distributed.rpc import RRef, remote, rpc_async, rpc_sync
 from torch.distributions import Categorical
-
-import launch
 
 
 class Policy(nn.Module):
@@ -208,6 +209,13 @@ def worker_name(rank, world_size):
     return AGENT_NAME if rank == 0 else OBSERVER_NAME.format(rank)
 
 
+def doing(rank, world_size):
+    """What each rank does, said when it has joined."""
+    if rank == 0:
+        return f"training the policy on the episodes of {world_size - 1} observer(s)"
+    return f"playing episodes for {AGENT_NAME}"
+
+
 def write_summary(args, agent, episodes, last_reward, seconds):
     solved = agent.running_reward > agent.reward_threshold
     launch.write_summary(
@@ -248,7 +256,7 @@ def main(argv=None):
     if args.batch:
         import batch  # the batch tutorial's agent; it imports the classes above from here
     # A policy this small gains nothing from more threads: one thread for every rank.
-    launch.start(args, batch.run_batch_worker if args.batch else run_worker, worker_name,
+    launch.start(args, batch.run_batch_worker if args.batch else run_worker, worker_name, doing,
                  heavy=lambda rank, world_size: False)
 
 

@@ -6,12 +6,14 @@ bounds every wait; data.py holds the data. `python main.py`, or `--rank R` in ea
 import math
 import time
 
+import launch  # before torch: it sets what torch reads when it is imported
+
+# isort: split
 import torch
 import torch.distributed.autograd as dist_autograd
 from torch import optim
 from torch.distributed.optim import DistributedOptimizer
 
-import launch
 import rnn
 from data import SYNTHETIC_NTOKEN, batchify, check_corpus, next_token_windows, training_data
 
@@ -93,6 +95,14 @@ def worker_name(rank, world_size):
     return "trainer" if world_size == 2 else f"trainer{rank}"
 
 
+def doing(rank, world_size):
+    """What each rank does, said when it has joined."""
+    if rank == 0:
+        return (f"holding the embedding table and the decoder for {world_size - 1} "
+                "trainer(s)")
+    return "training the LSTM here, with the embedding table and the decoder on ps"
+
+
 def write_summary(args, reports):
     """The run's figures, from what each trainer reported when it finished."""
     losses = {name: report["losses"] for name, report in sorted(reports.items()) if report}
@@ -139,7 +149,7 @@ def parse_args(argv=None):
              "tutorial has 0.5, which leaves too little of 2 or 3 units to learn from)")
     add("--lr", type=launch.positive_float, default=1.0, metavar="RATE",
         help="SGD learning rate (the tutorial's 0.05 moves this model too slowly to see)")
-    args = launch.parse_args(parser, argv, min_world_size=2)
+    args = launch.parse_args(parser, argv, min_world_size=2, per_rank=["corpus"])
     if args.corpus is not None and args.rank != 0:  # ps needs no data
         problem = check_corpus(args.corpus, args.batch_size)
         if problem:
@@ -150,7 +160,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     # A model this small gains nothing from more threads: one thread for every rank.
-    launch.start(args, run_worker, worker_name, heavy=lambda rank, world_size: False)
+    launch.start(args, run_worker, worker_name, doing, heavy=lambda rank, world_size: False)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ EXAMPLES = {
         roles={0: "trainer0", 1: "master", 2: "ps"},
         working=r"^Training done for epoch",
         bad_inputs=[(["--world_size", "2"], "must be at least 3"),
-                    (["--master_port", "65535"], "65535 leaves no port")]),
+                    (["--epochs", "0"], "must be at least 1")]),
     "pipeline_parallel": Example(
         name="pipeline_parallel", world_size=3,
         quick=["--num_split", 2, "--num_batches", 2, "--batch_size", 4],
@@ -92,6 +92,8 @@ GENERIC_BAD_INPUTS = [
     (["--master_port", "http"], "invalid port"),
     (["--init_timeout", "-5"], "greater than 0"),
     (["--rpc_timeout", "nan"], "greater than 0"),
+    (["--world", "3"], "unrecognized arguments: --world 3"),  # no abbreviations
+    (["--master_addr", "a..b"], "--master_addr a..b: no such host"),
 ]
 BAD_INPUT_CASES = [(name, flags, text) for name in EXAMPLES
                    for flags, text in GENERIC_BAD_INPUTS + EXAMPLES[name].bad_inputs]
@@ -263,6 +265,8 @@ def test_killed_rank_stops_every_other_rank(example, victim, mode, runs):
         assert survivor.returncode != 0, survivor.output
         assert took < EXIT_BOUND_SECONDS, f"exited {took:.1f} s after the kill"
         assert not survivor.leftovers()
+        # the lost peer in one line: none of torch's C++ warnings or traces about it
+        assert not re.search(r"^\[W|frame #|Traceback", survivor.stderr, re.M), survivor.stderr
     victim_name = config.roles[victim]
     if mode == "spawn-all":
         assert f"{victim_name} (rank {victim}) was killed by SIGKILL" in survivors[0].stderr, \
@@ -305,11 +309,123 @@ def test_missing_rank_ends_the_others_after_init_timeout(runs):
                                   EXAMPLES[example].world_size, "--master_port", find_free_port(),
                                   "--rank", rank, "--init_timeout", 2))
              for example in LAUNCH_EXAMPLES for rank in (0, EXAMPLES[example].world_size - 1)]
-    for example, run in alone:
+    for (example, run), missing in zip(alone, ("trainer_1 (rank 1)", "parameter_server (rank 0)",
+                                               "master (rank 1), ps (rank 2)",
+                                               "trainer0 (rank 0)"), strict=True):
         run.wait(timeout=90)
         assert run.returncode == 1, (example, run.output)
+        assert run.stderr.count("\n") == 1 and missing in run.stderr, (example, run.stderr)
         assert "within 2 s (--init_timeout)" in run.stderr, (example, run.stderr)
         assert not run.leftovers()
+
+
+# --------- One terminal per rank: waiting, interrupting, flags that differ --------------------
+
+WAITING = r"^\S+ \(rank \d+ of \d+\): waiting for the other ranks at localhost:\d+, up to 60 s$"
+
+
+@pytest.mark.slow
+def test_a_waiting_rank_ends_at_once_on_ctrl_c_or_sigterm(runs):
+    """A rank alone, waiting for the others (rank 0, which hosts the rendezvous, and a rank that
+    waits to reach it), ends within 2 s of SIGINT (Ctrl-C) or SIGTERM with one line."""
+    cases = [("param_server", 0, signal.SIGINT, "parameter_server"),
+             ("rl_cartpole", 1, signal.SIGINT, "observer1"),
+             ("ddp_rpc_hybrid", 2, signal.SIGTERM, "ps")]
+    started = [runs.start(example, *EXAMPLES[example].quick, "--rank", rank,
+                          "--world_size", EXAMPLES[example].world_size,
+                          "--master_port", find_free_port())
+               for example, rank, _, _ in cases]
+    for run, (_, _, number, name) in zip(started, cases, strict=True):
+        run.wait_for_output(WAITING, timeout=90)
+        time.sleep(0.5)  # well into the wait, not at its first step
+        sent = time.monotonic()
+        run.proc.send_signal(number)
+        run.wait(timeout=30)
+        assert time.monotonic() - sent < 2, run.output
+        assert run.returncode == 128 + number
+        suffix = "" if number == signal.SIGINT else " (SIGTERM)"
+        assert run.stderr == f"{name}: interrupted{suffix}\n", run.stderr
+        assert not run.leftovers(grace=0)
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_run(runs):
+    """Ctrl-C mid-run: to one rank in its terminal (ddp_rpc_hybrid's master, which waits in
+    torch's C++ code for the trainers' whole loops), and to every process of a spawn-all run,
+    as a terminal sends it."""
+    config = EXAMPLES["ddp_rpc_hybrid"]
+    common = [*config.endless, "--world_size", config.world_size,
+              "--master_port", find_free_port()]
+    ranks = [runs.start(config.name, *common, "--rank", rank) for rank in range(3)]
+    spawn_all = runs.start("rl_cartpole", *EXAMPLES["rl_cartpole"].endless,
+                           "--master_port", find_free_port())
+    _wait_any(ranks, config.working)
+    spawn_all.wait_for_output(EXAMPLES["rl_cartpole"].working, timeout=90)
+    sent = time.monotonic()
+    ranks[1].proc.send_signal(signal.SIGINT)
+    os.killpg(spawn_all.proc.pid, signal.SIGINT)
+    for run in (ranks[1], spawn_all):
+        run.wait(timeout=30)
+        assert time.monotonic() - sent < 2 and run.returncode == 130, run.output
+    assert ranks[1].stderr == "master: interrupted\n", ranks[1].stderr
+    assert spawn_all.stderr == "interrupted; stopped every rank\n", spawn_all.stderr
+    for survivor in (ranks[0], ranks[2]):
+        survivor.wait(timeout=EXIT_BOUND_SECONDS + 30)
+        assert survivor.returncode == 1 and "lost contact with" in survivor.stderr
+    for run in runs:
+        assert not run.leftovers()
+
+
+# Ranks started with flags that differ: (example, each rank's own flags, the flag named).
+DIFFERENT_FLAGS = [
+    ("ddp_rpc_hybrid", [["--world_size", 3, "--epochs", 3], ["--world_size", 3],
+                        ["--world_size", 3]],
+     "--epochs is 3 on rank 0 (trainer0) but 100 on rank "),
+    ("rl_cartpole", [[], ["--batch", "--max_episodes", 5]], "--batch is not set on rank 0 (agent) "
+                                                            "but set on rank 1 (observer1)"),
+    ("rl_cartpole", [["--world_size", 2], ["--world_size", 3], ["--world_size", 3]],
+     "--world_size is 2 on rank 0 (agent) but 3 on rank "),
+]
+
+
+@pytest.mark.slow
+def test_ranks_with_different_flags_all_end_naming_the_flag(runs):
+    """Every rank ends within 20 s of the last one's start, with one line that names the flag
+    and both values, and status 2; world sizes that differ included."""
+    started = []
+    for example, flags, expected in DIFFERENT_FLAGS:
+        port = find_free_port()
+        started.append((expected, [runs.start(example, *own, "--rank", rank,
+                                              "--master_port", port)
+                                   for rank, own in enumerate(flags)]))
+    for expected, ranks in started:
+        for run in ranks:
+            run.wait_for_output(WAITING, timeout=90)
+        everyone_started = time.monotonic()
+        for run in ranks:
+            run.wait(timeout=60)
+            took = time.monotonic() - everyone_started
+            assert took < 20, (took, run.output)
+            assert run.returncode == 2, run.output
+            assert run.stderr.count("\n") == 1 and expected in run.stderr, run.stderr
+            assert "start every rank with the same values" in run.stderr
+            assert not run.leftovers(grace=0)
+
+
+@pytest.mark.slow
+def test_a_rank_started_twice_is_told_it_is_taken(runs):
+    port = find_free_port()
+    common = ["--world_size", 2, "--master_port", port, *EXAMPLES["rl_cartpole"].quick]
+    agent = runs.start("rl_cartpole", *common, "--rank", 0)
+    first = runs.start("rl_cartpole", *common, "--rank", 1)
+    first.wait_for_output(r"^observer1: joined", timeout=90)
+    second = runs.start("rl_cartpole", *common, "--rank", 1).wait(timeout=60)
+    assert second.returncode == 2
+    assert re.fullmatch(r"observer1: rank 1 is taken: process \d+ on \S+ joined as rank 1 first; "
+                        r"give every rank its own --rank\n", second.stderr), second.stderr
+    for run in (agent, first):
+        run.wait(timeout=60)
+        assert run.returncode == 0, run.output
 
 
 # --------- Several hosts --------------------

@@ -248,16 +248,21 @@ def test_help_shows_every_default(capsys):
 # --------- Whole runs --------------------
 
 EPISODE_LINE = re.compile(r"^Episode (\d+)\tLast reward: (\S+)\tAverage reward: (\S+)$", re.M)
-EPISODES = 25
+# REINFORCE learns noisily: over 25 episodes, the last 10 beat the first 10 by half for about
+# half of all seeds, and a change of torch version (another random stream for one seed) flipped
+# the default run's result. Over 60 episodes, in one process with this training: 20 of 20
+# seeds on torch 2.14 and 18 of 20 on 2.4 (two whose first policy always pushed one way).
+EPISODES = 60
 # --batch with two observers: its "Last reward" is the shorter of two episodes, which rises
-# slowly and unevenly. Seen with seeds 1-6 on the CPU: the mean of the last 10 of 30 episodes
-# 1.4-5 times that of the first 10. Another device samples other actions, as another seed does.
+# more evenly (each update learns from two). Over 30 episodes, in one process with this
+# training, the last 10 were 1.34 to 5.6 times the first 10 for 20 of 20 seeds on torch 2.14,
+# 1.43 to 4.4 on 2.4. Another device samples other actions, as another seed does.
 BATCH_EPISODES = 30
 
 
-def batch_learned(rewards):
-    return np.mean(rewards[-10:]) > 1.3 * np.mean(rewards[:10])
-
+def learned(rewards, factor):
+    """The mean of the last 10 episodes' rewards is `factor` times that of the first 10."""
+    return np.mean(rewards[-10:]) > factor * np.mean(rewards[:10])
 
 
 def episode_rewards(output):
@@ -305,8 +310,7 @@ def test_spawn_all_runs_the_tutorials_episodes(finished):
 def test_spawn_all_learned(finished):
     (run,), summary = finished[0]["tutorial"], finished[1]["tutorial"]
     rewards = episode_rewards(run.stdout)
-    first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
-    assert last > 1.5 * first, rewards  # a random policy lasts about 20 steps
+    assert learned(rewards, 1.5), rewards  # a random policy lasts about 20 steps
     assert summary["running_reward"] > 20, summary
 
 
@@ -326,7 +330,10 @@ def test_ranks_as_separate_commands_repeat_the_run(finished, runs):
         assert run.returncode == 0, run.output
         assert not run.leftovers()
     assert EPISODE_LINE.findall(agent.stdout) == EPISODE_LINE.findall(spawned.stdout)[:10]
-    assert re.fullmatch(r"observer1: 1 intra-op thread\(s\) on \d+ core\(s\) \(.*\)\n",
+    assert re.fullmatch(r"observer1: 1 intra-op thread\(s\) on \d+ core\(s\) \(.*\)\n"
+                        r"observer1 \(rank 1 of 2\): waiting for the other ranks at "
+                        r"localhost:\d+, up to 60 s\n"
+                        r"observer1: joined; playing episodes for agent\n",
                         observer.stdout), observer.stdout
 
 
@@ -338,5 +345,5 @@ def test_batched_agent_with_two_observers_learns(finished):
     assert summary["mode"] == "batch" and summary["observers"] == 2
     assert summary["episodes"] == BATCH_EPISODES and summary["solved"] is False
     rewards = episode_rewards(run.stdout)  # the shorter of the two episodes, each time
-    assert batch_learned(rewards), rewards
+    assert learned(rewards, 1.3), rewards
     assert summary["env_steps"] >= 2 * sum(rewards)
