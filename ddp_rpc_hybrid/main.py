@@ -1,15 +1,9 @@
 """Combining Distributed DataParallel with Distributed RPC Framework: the tutorial's code,
-runnable.
-
-With N trainers (world size N + 2): ranks 0..N-1 are the trainers, rank N the master and rank
-N+1 the parameter server `ps`. The master creates an nn.EmbeddingBag on ps and starts the
-training loop on every trainer; each trainer looks up embeddings on ps through RPC and runs an
-nn.Linear replicated under DDP. README.md says what differs from the tutorial and why; launch.py
-starts the ranks and bounds every wait.
-
-    python main.py                                  # every rank on this machine
-    python main.py --world_size 3 --rank 2          # one rank per terminal
-"""
+runnable. With N trainers (world size N + 2): ranks 0..N-1 are the trainers, rank N the master,
+rank N+1 the parameter server `ps`, which holds an nn.EmbeddingBag; each trainer looks up
+embeddings there through RPC and runs an nn.Linear replicated under DDP. README.md says what
+differs from the tutorial and why; launch.py starts the ranks and bounds every wait.
+`python main.py`, or `--rank R` in each terminal."""
 
 import random
 import time
@@ -29,14 +23,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 NUM_EMBEDDINGS = 100
 EMBEDDING_DIM = 16
 NUM_CLASSES = 8  # the outputs of the dense layer, nn.Linear(16, 8) in the tutorial
-
-
-def choose_backend_and_device(trainer_rank, num_trainers, gpu_count):
-    """NCCL with trainer R on cuda:R, as in the tutorial, when every trainer has a GPU of its
-    own; otherwise Gloo, on the CPU. gpu_count is a parameter so that tests can fake it."""
-    if gpu_count >= num_trainers:
-        return "nccl", torch.device(f"cuda:{trainer_rank}")
-    return "gloo", torch.device("cpu")
 
 
 class HybridModel(torch.nn.Module):
@@ -63,11 +49,6 @@ def _retrieve_embedding_parameters(emb_rref):
     return param_rrefs
 
 
-# Runs on ps: a copy of the table, before and after training, to show that it trained.
-def _get_embedding_weights(emb_rref):
-    return emb_rref.local_value().weight.detach().clone()
-
-
 def get_next_batch(rng, num_batches, device):
     """The tutorial's random bags (20 to 50 indices in bags of 1 to 10), drawn from rng, except
     that every index has a class (index % NUM_CLASSES) and a bag's indices all come from its
@@ -92,9 +73,8 @@ def get_next_batch(rng, num_batches, device):
 
 
 def _run_trainer(emb_rref, rank, args):
-    """A trainer's loop, started by the master. Forward: the lookup on ps, then nn.Linear here.
-    Backward: DDP averages the dense gradients over the trainers, and distributed autograd
-    takes the table's gradients to ps."""
+    """A trainer's loop, started by the master: the lookup on ps, then nn.Linear here; DDP
+    averages the dense gradients, distributed autograd takes the table's to ps."""
     torch.manual_seed(args.seed)  # DDP copies trainer0's initial dense weights to the others
     _, device = choose_backend_and_device(rank, dist.get_world_size(), torch.cuda.device_count())
     if device.type == "cuda":
@@ -106,7 +86,6 @@ def _run_trainer(emb_rref, rank, args):
     # RRefs to every parameter, for DistributedOptimizer: the table's, from ps,
     model_parameter_rrefs = rpc.rpc_sync(
         "ps", _retrieve_embedding_parameters, args=(emb_rref,))
-
     # and the local ones (model.parameters() has only these).
     for param in model.parameters():
         model_parameter_rrefs.append(RRef(param))
@@ -129,13 +108,10 @@ def _run_trainer(emb_rref, rank, args):
             with dist_autograd.context() as context_id:
                 output = model(indices, offsets)
                 loss = criterion(output, target)
-
                 # the backward pass, across ps and the trainers
                 dist_autograd.backward(context_id, [loss])
-
                 # the step, where each parameter lives
                 opt.step(context_id)
-
                 # No zero_grad: each iteration's context holds its own gradients.
             losses.append(loss.item())
         print("Training done for epoch {}".format(epoch))
@@ -150,6 +126,7 @@ def run_worker(rank, world_size, args):
     num_trainers = world_size - 2  # the tutorial's two trainers, master rank 2 and ps rank 3
 
     if rank == num_trainers:
+        # tutorial: rpc.init_rpc("master", rank=rank, world_size=world_size, ...)
         launch.init_rpc_with_timeout("master", rank=rank, world_size=world_size)
 
         # the embedding table, built on ps
@@ -172,71 +149,79 @@ def run_worker(rank, world_size, args):
         # wait until every trainer is done
         results = {f"trainer{r}": fut.wait() for r, fut in enumerate(futs)}
         table_after = rpc.rpc_sync("ps", _get_embedding_weights, args=(emb_rref,))
-        launch.finish_and_shutdown()
-        write_summary(args, results, table_before, table_after)
     elif rank < num_trainers:
         # the trainers' own process group, for DDP
         backend, device = choose_backend_and_device(rank, num_trainers, torch.cuda.device_count())
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        # tutorial: dist.init_process_group(backend="gloo", rank=rank, world_size=2)
         launch.init_process_group_with_timeout(
             f"trainer{rank}", backend=backend, rank=rank, world_size=num_trainers)
 
         # then RPC with everyone
         trainer_name = "trainer{}".format(rank)
+        # tutorial: rpc.init_rpc(trainer_name, rank=rank, world_size=world_size, ...)
         launch.init_rpc_with_timeout(trainer_name, rank=rank, world_size=world_size)
 
         # the training loop arrives from the master, as an RPC
-        launch.finish_and_shutdown()
-        dist.destroy_process_group()
     else:
         torch.manual_seed(args.seed)  # the table's initial weights
+        # tutorial: rpc.init_rpc("ps", rank=rank, world_size=world_size, ...)
         launch.init_rpc_with_timeout("ps", rank=rank, world_size=world_size)
         # ps only answers the calls of the master and the trainers
-        launch.finish_and_shutdown()
+
+    # block until every rank is done
+    launch.finish_and_shutdown()  # tutorial: rpc.shutdown()
+    if rank < num_trainers:
+        dist.destroy_process_group()
+    elif rank == num_trainers:
+        write_summary(args, results, table_before, table_after)
 
 
-def worker_name(rank, world_size):
-    """trainer0..trainer{N-1}, then master, then ps, for N = world_size - 2 trainers."""
+# --------- Not in the tutorial: devices, names, the summary, the command line -------------
+
+def choose_backend_and_device(trainer_rank, num_trainers, gpu_count):
+    """NCCL with trainer R on cuda:R (the tutorial's) when every trainer has a GPU of its own,
+    else Gloo on the CPU. Tests fake gpu_count."""
+    if gpu_count >= num_trainers:
+        return "nccl", torch.device(f"cuda:{trainer_rank}")
+    return "gloo", torch.device("cpu")
+
+
+def _get_embedding_weights(emb_rref):  # on ps: a copy of the table, to show that it trained
+    return emb_rref.local_value().weight.detach().clone()
+
+
+def worker_name(rank, world_size):  # trainer0..trainer{N-1}, master, ps, for N trainers
     num_trainers = world_size - 2
     if rank < num_trainers:
         return f"trainer{rank}"
     return "master" if rank == num_trainers else "ps"
 
 
-def doing(rank, world_size):
-    """What each rank does, said when it has joined."""
-    num_trainers = world_size - 2
-    if rank < num_trainers:
-        return (f"training the dense layer under DDP with {num_trainers} trainer(s) and the "
-                "embedding table on ps, when master starts the loop")
-    if rank == num_trainers:
-        return f"starting the training loop on {num_trainers} trainer(s)"
-    return "holding the embedding table for the trainers"
+def doing(rank, world_size):  # what a rank does, said once it has joined
+    if rank < world_size - 2:
+        return "training the dense layer under DDP, once master starts the loop"
+    return "starting the training loop" if rank == world_size - 2 else "holding the table"
 
 
-def write_summary(args, results, table_before, table_after):
-    """Proof that both halves trained: DDP kept the trainers' dense layers identical, and the
-    table on ps has moved."""
-    first = next(iter(results.values()))["dense_weights"]
-    first_backend = next(iter(results.values()))["backend"]
-    dense_identical = all(torch.equal(mine, theirs) for result in results.values()
-                          for mine, theirs in zip(result["dense_weights"], first, strict=True))
-    table_change = (table_after - table_before).abs().max().item()
-    print(f"Dense layer weights identical on {', '.join(results)}: "
-          f"{'yes' if dense_identical else 'NO'}")
-    print(f"Embedding table on ps changed: {'yes' if table_change > 0 else 'NO'} "
-          f"(largest change {table_change:.4f})")
+def write_summary(args, results, table_before, table_after):  # and proof that both halves trained
+    first = next(iter(results.values()))
+    identical = all(torch.equal(mine, theirs) for result in results.values()
+                    for mine, theirs in zip(result["dense_weights"], first["dense_weights"],
+                                            strict=True))
+    change = (table_after - table_before).abs().max().item()
+    print(f"Dense layer weights identical on {', '.join(results)}: {'yes' if identical else 'NO'}")
+    print(f"Embedding table on ps changed: {'yes' if change > 0 else 'NO'} "
+          f"(largest change {change:.4f})")
     launch.write_summary(
         {"example": "ddp_rpc_hybrid", "world_size": args.world_size, "trainers": len(results),
-         "backend": first_backend, "epochs": args.epochs,
-         "batches_per_epoch": args.batches_per_epoch, "seed": args.seed,
-         "iterations_per_trainer": {name: args.epochs * args.batches_per_epoch
-                                    for name in results},
+         "remote_module": args.remote_module, "backend": first["backend"],
+         "iterations_per_trainer": dict.fromkeys(results, args.epochs * args.batches_per_epoch),
          "first_loss": {name: round(r["losses"][0], 4) for name, r in results.items()},
          "last_loss": {name: round(r["losses"][-1], 4) for name, r in results.items()},
-         "dense_weights_identical": dense_identical, "embedding_table_changed": table_change > 0,
-         "embedding_table_max_change": round(table_change, 4),
+         "dense_weights_identical": identical, "embedding_table_changed": change > 0,
+         "embedding_table_max_change": round(change, 4),
          "train_seconds": round(max(r["train_seconds"] for r in results.values()), 3)},
         "loss " + ", ".join(f"{name} {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
                             for name, r in results.items()))
@@ -245,10 +230,8 @@ def write_summary(args, results, table_before, table_after):
 def parse_args(argv=None):
     parser = launch.ArgumentParser(
         description="DistributedDataParallel with distributed RPC: an nn.EmbeddingBag on the "
-                    "parameter server ps, an nn.Linear replicated under DDP on the trainers, "
-                    "driven by the master. Rank 0 (trainer0) hosts the rendezvous on "
-                    "--master_port, where RPC and the trainers' process group for DDP both "
-                    "start; --init_timeout bounds the wait, and each of DDP's allreduces.")
+                    "parameter server ps, an nn.Linear under DDP on the trainers, driven by the "
+                    "master. --init_timeout also bounds each of DDP's allreduces.")
     # auto (shared memory): each iteration is a few tiny messages, latency-bound.
     launch.add_launch_arguments(parser, world_size=4, min_world_size=3,
                                 roles="N-2 trainers (ranks 0 to N-3), the master (rank N-2) and "
@@ -258,13 +241,19 @@ def parse_args(argv=None):
         help="epochs of training on each trainer")
     add("--batches_per_epoch", "--batches-per-epoch", type=launch.int_at_least(1), default=10,
         metavar="N", help="batches in each epoch")
+    add("--remote_module", "--remote-module", action="store_true",
+        help="the tutorial's 2021 revision: the table as a RemoteModule (remote_module.py)")
     return launch.parse_args(parser, argv, min_world_size=3)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    # A model this small gains nothing from more threads: one thread for every rank.
-    launch.start(args, run_worker, worker_name, doing, heavy=lambda rank, world_size: False)
+    if args.remote_module:
+        import remote_module  # the 2021 revision; it imports from here
+    # heavy: the ranks that get the cores' threads; a model this small gains nothing from them.
+    # tutorial: mp.spawn(run_worker, args=(world_size, ), nprocs=world_size, join=True)
+    launch.start(args, remote_module.run_worker if args.remote_module else run_worker,
+                 worker_name, doing, heavy=lambda rank, world_size: False)
 
 
 if __name__ == "__main__":

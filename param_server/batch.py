@@ -179,14 +179,18 @@ def run(rank, world_size, args):
         train_loader, test_loader = get_data_loaders(rank, world_size, args)
         args.batches = equal_share_batches(train_loader, world_size - 1, args)
         trainer_data = (train_loader, test_loader, args)
+        # tutorial: rpc.init_rpc(f"trainer{rank}", rank=rank, world_size=world_size, ...)
         launch.init_rpc_with_timeout(f"trainer{rank}", rank=rank, world_size=world_size)
         # trainer passively waiting for ps to kick off training iterations
-        launch.finish_and_shutdown()
     else:
         torch.manual_seed(args.seed)  # the initial model, as main.py's server
+        # tutorial: rpc.init_rpc("ps", rank=rank, world_size=world_size, ...)
         launch.init_rpc_with_timeout("ps", rank=rank, world_size=world_size)
         ps, reports = run_ps([f"trainer{r}" for r in range(1, world_size)], args)
-        launch.finish_and_shutdown()
+
+    # block until all rpcs finish
+    launch.finish_and_shutdown()  # tutorial: rpc.shutdown()
+    if rank == 0:
         write_summary(args, ps, reports)
 
 

@@ -27,19 +27,6 @@ from data import DATA_DIR, SYNTHETIC_TEST_SIZE, SYNTHETIC_TRAIN_SIZE, check_mnis
 
 # --------- MNIST Training Network to train, from pytorch/examples -----
 
-def choose_devices(num_gpus, gpu_count):
-    """(device of the two convs, device of the other layers): the CPU; cuda:0 for all; or the
-    convs on cuda:0 and the rest on cuda:1. gpu_count is a parameter so that tests can fake it."""
-    if not 0 <= num_gpus <= 2:
-        raise ValueError(f"--num_gpus must be 0, 1 or 2, got {num_gpus}")
-    if num_gpus > gpu_count:
-        raise ValueError(f"--num_gpus {num_gpus} asks for more GPUs than the parameter server's "
-                         f"machine has ({gpu_count})")
-    if num_gpus == 0:
-        return torch.device("cpu"), torch.device("cpu")
-    return torch.device("cuda:0"), torch.device(f"cuda:{num_gpus - 1}")
-
-
 class Net(nn.Module):
     def __init__(self, num_gpus=0):
         super().__init__()
@@ -105,6 +92,7 @@ class ParameterServer(nn.Module):
 
     def forward(self, inp, training=True):
         inp = inp.to(self.input_device)
+        # tutorial: out = self.model(inp)
         # Each call runs on a clone of the weights (clone() keeps the autograd link, so the
         # gradients still reach the parameters): another trainer's optimizer step must not
         # change in place what this call's backward pass needs (pytorch/examples#877). The lock
@@ -149,10 +137,11 @@ def run_parameter_server(rank, world_size, args):
     torch.manual_seed(args.seed)
     get_parameter_server(num_gpus=args.num_gpus)
     print("PS master initializing RPC")
+    # tutorial: rpc.init_rpc(name="parameter_server", rank=rank, world_size=world_size)
     launch.init_rpc_with_timeout("parameter_server", rank=rank, world_size=world_size)
     print("RPC initialized! Running parameter server...")
     # Waits for every trainer to be done (and notices one that dies), then rpc.shutdown().
-    reports = launch.finish_and_shutdown()
+    reports = launch.finish_and_shutdown()  # tutorial: rpc.shutdown()
     print("RPC shutdown on parameter server.")
     write_summary(args, reports)
 
@@ -233,6 +222,7 @@ def get_accuracy(test_loader, model):
 # Main loop for trainers.
 def run_worker(rank, world_size, num_gpus, train_loader, test_loader, args):
     print(f"Worker rank {rank} initializing RPC")
+    # tutorial: rpc.init_rpc(name=f"trainer_{rank}", rank=rank, world_size=world_size)
     launch.init_rpc_with_timeout(
         name=f"trainer_{rank}",
         rank=rank,
@@ -241,29 +231,45 @@ def run_worker(rank, world_size, num_gpus, train_loader, test_loader, args):
     print(f"Worker {rank} done initializing RPC")
 
     report = run_training_loop(rank, num_gpus, train_loader, test_loader, args)
-    launch.finish_and_shutdown(report)
+    launch.finish_and_shutdown(report)  # tutorial: rpc.shutdown()
 
 
 # --------- Launching --------------------
+
+# This rank's part of the tutorial's __main__, which starts it in a process of its own
+# (launch.start starts this).
+def run(rank, world_size, args):
+    if rank == 0:
+        # tutorial: p = mp.Process(target=run_parameter_server, args=(0, world_size))
+        run_parameter_server(rank, world_size, args)
+    else:
+        # Get data to train on
+        train_loader, test_loader = get_data_loaders(rank, world_size, args)
+        # tutorial: p = mp.Process(target=run_worker, args=(args.rank, world_size, ...))
+        run_worker(rank, world_size, args.num_gpus, train_loader, test_loader, args)
+
+
+# --------- Not in the tutorial: devices, names, the summary, the command line -------------
+
+def choose_devices(num_gpus, gpu_count):
+    """(device of the two convs, device of the other layers): the CPU; cuda:0 for all; or the
+    convs on cuda:0 and the rest on cuda:1. gpu_count is a parameter so that tests can fake it."""
+    if not 0 <= num_gpus <= 2:
+        raise ValueError(f"--num_gpus must be 0, 1 or 2, got {num_gpus}")
+    if num_gpus > gpu_count:
+        raise ValueError(f"--num_gpus {num_gpus} asks for more GPUs than the parameter server's "
+                         f"machine has ({gpu_count})")
+    if num_gpus == 0:
+        return torch.device("cpu"), torch.device("cpu")
+    return torch.device("cuda:0"), torch.device(f"cuda:{num_gpus - 1}")
+
 
 def worker_name(rank, world_size):
     return "parameter_server" if rank == 0 else f"trainer_{rank}"
 
 
-def doing(rank, world_size):
-    """What each rank does, said when it has joined."""
-    if rank == 0:
-        return f"holding the model for {world_size - 1} trainer(s)"
-    return "training the model on parameter_server"
-
-
-def run(rank, world_size, args):
-    if rank == 0:
-        run_parameter_server(rank, world_size, args)
-    else:
-        # Get data to train on
-        train_loader, test_loader = get_data_loaders(rank, world_size, args)
-        run_worker(rank, world_size, args.num_gpus, train_loader, test_loader, args)
+def doing(rank, world_size):  # what a rank does, said once it has joined
+    return "holding the model" if rank == 0 else "training the model on parameter_server"
 
 
 def write_summary(args, reports, mode="tutorial", more=None, more_line=""):
@@ -344,13 +350,16 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    # heavy: the ranks that share the cores' threads, those that run the model
     if args.batch:
         import batch  # the batch tutorial's server; it imports Net, get_accuracy, write_summary
         # the trainers train, the server averages their gradients
+        # tutorial: mp.spawn(run, args=(world_size, ), nprocs=world_size, join=True)
         launch.start(args, batch.run, batch.worker_name, batch.doing,
                      heavy=lambda rank, _: rank != 0)
     else:
         # the server runs the model, the trainers wait for it
+        # tutorial: p = mp.Process(target=run_parameter_server or run_worker, ...); p.start()
         launch.start(args, run, worker_name, doing, heavy=lambda rank, _: rank == 0)
 
 

@@ -1,11 +1,8 @@
-"""Distributed Pipeline Parallelism Using RPC: the tutorial's code, runnable.
-
-A ResNet-50 in two shards, each on its own worker (`worker1`, `worker2`); the `master` splits
-every batch into micro-batches and chains them through the shards with asynchronous RPCs, so
-that shard 1 works on micro-batch i+1 while shard 2 works on micro-batch i. README.md says what
-differs from the tutorial and why; launch.py starts the ranks and bounds every wait; data.py
-holds the data. `python main.py`, or `--rank R` in each of three terminals.
-"""
+"""Distributed Pipeline Parallelism Using RPC: the tutorial's code, runnable. A ResNet-50 in
+two shards on `worker1` and `worker2`; the `master` chains each batch's micro-batches through
+them with asynchronous RPCs, so that shard 1 works on micro-batch i+1 while shard 2 works on i.
+README.md says what differs from the tutorial and why; launch.py starts the ranks and bounds
+every wait; data.py holds the data. `python main.py`, or `--rank R` in each of 3 terminals."""
 
 import threading
 import time
@@ -31,13 +28,6 @@ num_classes = NUM_CLASSES  # the tutorial's 1000 classes of random labels: see d
 
 def conv1x1(in_planes, out_planes, stride=1):
     return nn.Conv2d(in_planes, out_planes, kernel_size=1, stride=stride, bias=False)
-
-
-def choose_device(worker_rank, gpu_count):
-    """A worker's GPU when its machine has any (two local workers on one GPU share it; on two,
-    cuda:0 and cuda:1, as in the tutorial), else its CPU. gpu_count is a parameter so that tests
-    can fake it."""
-    return torch.device(f"cuda:{(worker_rank - 1) % gpu_count}" if gpu_count else "cpu")
 
 
 class ResNetBase(nn.Module):
@@ -214,37 +204,46 @@ def run_master(num_split, args):
 def run_worker(rank, world_size, args):
     torch.manual_seed(args.seed + rank)  # the shards' initial weights, on the workers
     if rank == 0:
+        # tutorial: rpc.init_rpc("master", rank=rank, world_size=world_size, ...)
         launch.init_rpc_with_timeout("master", rank=rank, world_size=world_size,
                                      num_worker_threads=128)
+        # each num_split in turn, in one world (the tutorial spawns a world for each)
         results = {}
         for num_split in args.num_split:
             tik = time.time()
             results[num_split] = run_master(num_split, args)
             tok = time.time()
             print(f"number of splits = {num_split}, execution time = {tok - tik}")
-        launch.finish_and_shutdown()
-        write_summary(args, results)
     else:
+        # tutorial: rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, ...)
         launch.init_rpc_with_timeout(f"worker{rank}", rank=rank, world_size=world_size,
                                      num_worker_threads=128)
-        # the workers only answer the master's calls, until it is done
-        launch.finish_and_shutdown()
+
+    # block until all rpcs finish
+    launch.finish_and_shutdown()  # tutorial: rpc.shutdown()
+    if rank == 0:
+        write_summary(args, results)
+
+
+# --------- Not in the tutorial: devices, names, the summary, the command line -------------
+
+def choose_device(worker_rank, gpu_count):
+    """A worker's GPU when its machine has any (on one GPU both local workers; on two, cuda:0
+    and cuda:1, as in the tutorial), else its CPU. Tests fake gpu_count."""
+    return torch.device(f"cuda:{(worker_rank - 1) % gpu_count}" if gpu_count else "cpu")
 
 
 def worker_name(rank, world_size):
     return "master" if rank == 0 else f"worker{rank}"
 
 
-def doing(rank, world_size):
-    """What each rank does, said when it has joined."""
-    if rank == 0:
-        return "sending micro-batches through worker1 and worker2"
-    return f"running shard {rank} of ResNet-50 for master"
+def doing(rank, world_size):  # what a rank does, said once it has joined
+    return ("sending micro-batches through worker1 and worker2" if rank == 0 else
+            f"running shard {rank} of ResNet-50 for master")
 
 
 def write_summary(args, results):
-    """Seconds per batch for each num_split, without each setting's first batch (its warm-up:
-    first allocations, and the first messages between the workers)."""
+    """Seconds per batch for each num_split, without each setting's first batch (warm-up)."""
     splits = {}
     for num_split, (losses, seconds) in results.items():
         steady = seconds[1:] or seconds
@@ -268,21 +267,18 @@ def parse_args(argv=None):
     launch.add_launch_arguments(parser, world_size=3, min_world_size=3,
                                 roles="the master (rank 0), worker1 and worker2",
                                 rpc_transport="tcp")
-    add, at_least, at_least_each = (parser.add_argument, launch.int_at_least,
-                                    launch.int_list_at_least)
-    add("--num_split", "--num-split", type=at_least_each(1), default=[1, 2, 4, 8],
+    add, at_least = parser.add_argument, launch.int_at_least
+    add("--num_split", "--num-split", type=launch.int_list_at_least(1), default=[1, 2, 4, 8],
         metavar="N[,N...]",
         help="micro-batches per batch; several, separated by commas, are timed in turn")
     add("--batch_size", "--batch-size", type=at_least(1), default=32, metavar="N",
         help="images per batch (the tutorial's 120)")
-    # At least 64: smaller images leave shard 2's last layers 1 x 1 pixel, where batch norm
-    # fails on a micro-batch of one image.
+    # >= 64: below, shard 2 ends at 1 x 1 pixel, where batch norm fails on a 1-image micro-batch
     add("--image_size", "--image-size", type=at_least(64), default=64, metavar="PIXELS",
         help="height and width of the images (the tutorial's 128)")
     add("--num_batches", "--num-batches", type=at_least(1), default=20, metavar="N",
         help="batches trained for each --num_split (the tutorial's 3)")
-    add("--lr", type=launch.positive_float, default=0.05, metavar="RATE",
-        help="SGD learning rate")
+    add("--lr", type=launch.positive_float, default=0.05, metavar="RATE", help="SGD learning rate")
     args = launch.parse_args(parser, argv, min_world_size=3)
     if args.world_size != 3:
         parser.error(f"this example runs 3 ranks (the master, worker1 and worker2), "
@@ -295,7 +291,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    # the workers run the shards, the master waits for them
+    # tutorial: mp.spawn(run_worker, args=(world_size, num_split), nprocs=world_size, join=True)
+    # heavy: the ranks that share the cores' threads: the workers run the shards, the master waits
     launch.start(args, run_worker, worker_name, doing, heavy=lambda rank, _: rank != 0)
 
 

@@ -80,20 +80,6 @@ class Observer:
                 break
 
 
-def discounted_returns(rewards_per_observer, gamma, eps):
-    """R_t = r_t + gamma * R_(t+1), discounted back from the end of each observer's own episode
-    (the tutorial joined the episodes first), then normalised together."""
-    returns = []
-    for rewards in rewards_per_observer:
-        R, observer_returns = 0, []
-        for r in rewards[::-1]:
-            R = r + gamma * R
-            observer_returns.insert(0, R)
-        returns.extend(observer_returns)
-    returns = torch.tensor(returns)
-    return (returns - returns.mean()) / (returns.std() + eps)
-
-
 class Agent:
     def __init__(self, world_size, args, observer_class=Observer, device="cpu"):
         self.ob_rrefs = []
@@ -176,6 +162,7 @@ TOTAL_EPISODE_STEP = gym.spec('CartPole-v1').max_episode_steps
 def run_worker(rank, world_size, args, agent_class=Agent):
     if rank == 0:
         # rank 0 is the agent
+        # tutorial: rpc.init_rpc(AGENT_NAME, rank=rank, world_size=world_size)
         launch.init_rpc_with_timeout(AGENT_NAME, rank=rank, world_size=world_size)
         torch.manual_seed(args.seed)
 
@@ -196,24 +183,40 @@ def run_worker(rank, world_size, args, agent_class=Agent):
                 print(f"Stopped after {i_episode} episodes (--max_episodes), unsolved")
                 break
         seconds = time.perf_counter() - started
-        launch.finish_and_shutdown()
-        write_summary(args, agent, i_episode, last_reward, seconds)
     else:
-        # the other ranks are observers
+        # other ranks are the observer
+        # tutorial: rpc.init_rpc(OBSERVER_NAME.format(rank), rank=rank, world_size=world_size)
         launch.init_rpc_with_timeout(OBSERVER_NAME.format(rank), rank=rank, world_size=world_size)
-        # an observer only answers the agent's calls, until every rank is done
-        launch.finish_and_shutdown()
+        # observers passively waiting for instructions from the agent
+
+    # block until all rpcs finish, and shutdown the RPC instance
+    launch.finish_and_shutdown()  # tutorial: rpc.shutdown()
+    if rank == 0:
+        write_summary(args, agent, i_episode, last_reward, seconds)
+
+
+# --------- Not in the tutorial: returns, names, the summary, the command line -------------
+
+def discounted_returns(rewards_per_observer, gamma, eps):
+    """R_t = r_t + gamma * R_(t+1), discounted back from the end of each observer's own episode
+    (the tutorial joined the episodes first), then normalised together."""
+    returns = []
+    for rewards in rewards_per_observer:
+        R, observer_returns = 0, []
+        for r in rewards[::-1]:
+            R = r + gamma * R
+            observer_returns.insert(0, R)
+        returns.extend(observer_returns)
+    returns = torch.tensor(returns)
+    return (returns - returns.mean()) / (returns.std() + eps)
 
 
 def worker_name(rank, world_size):
     return AGENT_NAME if rank == 0 else OBSERVER_NAME.format(rank)
 
 
-def doing(rank, world_size):
-    """What each rank does, said when it has joined."""
-    if rank == 0:
-        return f"training the policy on the episodes of {world_size - 1} observer(s)"
-    return f"playing episodes for {AGENT_NAME}"
+def doing(rank, world_size):  # what a rank does, said once it has joined
+    return "training the policy" if rank == 0 else f"playing episodes for {AGENT_NAME}"
 
 
 def write_summary(args, agent, episodes, last_reward, seconds):
@@ -255,7 +258,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.batch:
         import batch  # the batch tutorial's agent; it imports the classes above from here
-    # A policy this small gains nothing from more threads: one thread for every rank.
+    # tutorial: mp.spawn(run_worker, args=(args.world_size, ), nprocs=args.world_size, join=True)
+    # heavy: the ranks that get the cores' threads; a policy this small gains nothing from them.
     launch.start(args, batch.run_batch_worker if args.batch else run_worker, worker_name, doing,
                  heavy=lambda rank, world_size: False)
 

@@ -1,7 +1,6 @@
-"""Getting Started with Distributed RPC Framework, the distributed RNN: the tutorial's code,
-runnable. ps (rank 0) holds the embedding table and the decoder of rnn.RNNModel, the trainer the
-LSTM. README.md says what differs from the tutorial and why; launch.py starts the ranks and
-bounds every wait; data.py holds the data. `python main.py`, or `--rank R` in each terminal."""
+"""Getting Started with Distributed RPC Framework, the distributed RNN, runnable: ps (rank 0)
+holds the embedding table and decoder of rnn.RNNModel, the trainer its LSTM. README.md says what
+differs from the tutorial; launch.py starts the ranks and bounds every wait; data.py: the data."""
 
 import math
 import time
@@ -73,82 +72,72 @@ def _run_trainer(name, args):
 def run_worker(rank, world_size, args):
     if rank != 0:
         torch.manual_seed(args.seed + rank)
+        # tutorial: rpc.init_rpc("trainer", rank=rank, world_size=world_size)
         launch.init_rpc_with_timeout(worker_name(rank, world_size), rank=rank,
                                      world_size=world_size)
         report = _run_trainer(worker_name(rank, world_size), args)
     else:
         torch.manual_seed(args.seed)  # the weights and the dropout of the parts on ps
+        # tutorial: rpc.init_rpc("ps", rank=rank, world_size=world_size)
         launch.init_rpc_with_timeout("ps", rank=rank, world_size=world_size)
         # ps only hosts the parts the trainers create there, and answers their calls
         report = None
 
     # wait until every rank is done, then shut RPC down
-    reports = launch.finish_and_shutdown(report)
+    reports = launch.finish_and_shutdown(report)  # tutorial: rpc.shutdown()
     if rank == 0:
         write_summary(args, reports)
 
 
-def worker_name(rank, world_size):
-    """`ps` and `trainer` as in the tutorial; with several trainers, trainer1, trainer2, ..."""
-    if rank == 0:
-        return "ps"
-    return "trainer" if world_size == 2 else f"trainer{rank}"
+# --------- Not in the tutorial: names, the command line, the summary --------------------
+
+def worker_name(rank, world_size):  # the tutorial's; with several trainers, trainer1, trainer2...
+    return "ps" if rank == 0 else "trainer" if world_size == 2 else f"trainer{rank}"
 
 
-def doing(rank, world_size):
-    """What each rank does, said when it has joined."""
-    if rank == 0:
-        return (f"holding the embedding table and the decoder for {world_size - 1} "
-                "trainer(s)")
-    return "training the LSTM here, with the embedding table and the decoder on ps"
+def doing(rank, world_size):  # said once a rank has joined
+    return "holding the table and the decoder" if rank == 0 else "training the LSTM here"
 
 
-def write_summary(args, reports):
-    """The run's figures, from what each trainer reported when it finished."""
-    losses = {name: report["losses"] for name, report in sorted(reports.items()) if report}
+def write_summary(args, reports):  # from what each trainer reported when it finished
+    reports = {name: report for name, report in sorted(reports.items()) if report}
+    losses = {name: report["losses"] for name, report in reports.items()}
     first, last = (sum(ls[i] for ls in losses.values()) / len(losses) for i in (0, -1))
-    reports = [report for report in reports.values() if report]
     launch.write_summary(
         {"example": "rnn_model_parallel", "data": args.corpus or "synthetic",
-         "ntoken": reports[0]["ntoken"], "trainers": len(losses), "losses": losses,
-         "first_loss": first, "last_loss": last, "last_perplexity": math.exp(last),
-         "iterations": sum(report["iterations"] for report in reports),
-         "train_seconds": round(max(report["train_seconds"] for report in reports), 3)},
+         "ntoken": next(iter(reports.values()))["ntoken"], "trainers": len(losses),
+         "losses": losses, "first_loss": first, "last_loss": last,
+         "last_perplexity": math.exp(last),
+         "iterations": sum(report["iterations"] for report in reports.values()),
+         "train_seconds": round(max(r["train_seconds"] for r in reports.values()), 3)},
         f"loss {first:.4f} -> {last:.4f}, perplexity {math.exp(first):.2f} -> "
         f"{math.exp(last):.2f} over {len(losses)} trainer(s)")
 
 
 def parse_args(argv=None):
     parser = launch.ArgumentParser(description=(
-        "Distributed RNN: ps (rank 0) holds the embedding table and the decoder, the trainer the "
-        "LSTM. With a world size above 2, each extra trainer trains a model of its own against "
-        f"the same ps. Without --corpus: a synthetic task of {SYNTHETIC_NTOKEN} tokens. With "
-        "--corpus: a word-level language model of a text file; sizes that work there: "
-        "--emsize 64 --nhid 64 --bptt 35 --batch_size 20 --epochs 5."))
+        "Distributed RNN: ps (rank 0) holds the embedding table and the decoder, each trainer "
+        f"an LSTM (and a model of its own). Without --corpus, a synthetic task of "
+        f"{SYNTHETIC_NTOKEN} tokens; with it, a word-level language model of a text file."))
     # auto (shared memory): the tiny model's iterations are small messages, latency-bound.
     launch.add_launch_arguments(parser, world_size=2, min_world_size=2,
                                 roles="ps (rank 0) and the trainers", rpc_transport="auto")
     add, at_least = parser.add_argument, launch.int_at_least
     add("--corpus", default=None, metavar="PATH",
-        help="train a word-level language model on this plain-text file (UTF-8; vocabulary "
-             "from the file, <eos> at line ends) instead of the synthetic task")
+        help="a plain-text file (UTF-8; vocabulary from the file, <eos> at line ends); sizes "
+             "that work: --emsize 64 --nhid 64 --bptt 35 --batch_size 20 --epochs 5")
     add("--epochs", type=at_least(1), default=10, metavar="N", help="passes over the data")
     add("--max_batches", "--max-batches", type=at_least(1), default=None, metavar="N",
         help="end each epoch after this many batches (for short runs)")
-    add("--bptt", type=at_least(1), default=5, metavar="N",
-        help="time steps per batch (the tutorial's `batch`)")
+    add("--bptt", type=at_least(1), default=5, metavar="N", help="time steps per batch")
     add("--batch_size", "--batch-size", type=at_least(1), default=3, metavar="N",
-        help="sequences per batch (the tutorial's `nindices`)")
-    add("--emsize", type=at_least(1), default=2, metavar="N",
-        help="size of the word embeddings (the tutorial's `ninp`)")
+        help="sequences per batch")
+    add("--emsize", type=at_least(1), default=2, metavar="N", help="size of the embeddings")
     add("--nhid", type=at_least(1), default=3, metavar="N", help="hidden units per LSTM layer")
-    add("--nlayers", type=at_least(1), default=1, metavar="N",
-        help="LSTM layers (the tutorial has 4, which SGD cannot train at this size)")
+    add("--nlayers", type=at_least(1), default=1, metavar="N", help="LSTM layers")
     add("--dropout", type=launch.probability, default=0.0, metavar="P",
-        help="dropout of the embeddings, between LSTM layers and before the decoder (the "
-             "tutorial has 0.5, which leaves too little of 2 or 3 units to learn from)")
-    add("--lr", type=launch.positive_float, default=1.0, metavar="RATE",
-        help="SGD learning rate (the tutorial's 0.05 moves this model too slowly to see)")
+        help="dropout of the embeddings, between LSTM layers and before the decoder")
+    add("--lr", type=launch.positive_float, default=1.0, metavar="RATE", help="SGD learning rate")
     args = launch.parse_args(parser, argv, min_world_size=2, per_rank=["corpus"])
     if args.corpus is not None and args.rank != 0:  # ps needs no data
         problem = check_corpus(args.corpus, args.batch_size)
@@ -159,7 +148,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    # A model this small gains nothing from more threads: one thread for every rank.
+    # tutorial: mp.spawn(run_worker, args=(world_size, ), nprocs=world_size, join=True)
+    # heavy: the ranks that get the cores' threads; a model this small gains nothing from them.
     launch.start(args, run_worker, worker_name, doing, heavy=lambda rank, world_size: False)
 
 

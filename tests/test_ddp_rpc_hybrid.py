@@ -6,7 +6,7 @@ import socket
 
 import pytest
 import torch
-from conftest import find_free_port, load_example, run_example
+from conftest import find_free_port, finish_together, load_example, start_example
 
 hybrid = load_example("ddp_rpc_hybrid")
 
@@ -183,18 +183,33 @@ def tutorial_lines(output):
     return re.findall(r"^Training done for epoch (\d+)$", output, re.M)
 
 
+# The tutorial's two revisions: 2020 (main.py, the seed's) and 2021 (--remote_module).
+REVISIONS = {"emb_rref": [], "remote_module": ["--remote_module"]}
+
+
 @pytest.fixture(scope="module")
-def two_trainers(tmp_path_factory):
-    """One spawn-all run (two trainers, the master, ps), shared by the assertions below."""
-    summary = tmp_path_factory.mktemp("ddp") / "summary.json"
-    run = run_example("ddp_rpc_hybrid", "--epochs", 10, "--master_port", find_free_port(),
-                      "--summary_json", summary, timeout=150)
-    return run, json.loads(summary.read_text()) if summary.exists() else None
+def spawn_all_runs(tmp_path_factory):
+    """A spawn-all run (two trainers, the master, ps) of each revision, started together."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    runs = {name: start_example("ddp_rpc_hybrid", "--epochs", 10, *flags, "--master_port",
+                                find_free_port(), "--summary_json", tmp / f"{name}.json",
+                                log_dir=tmp)
+            for name, flags in REVISIONS.items()}
+    finish_together(list(runs.values()), timeout=150)
+    return {name: (run, json.loads((tmp / f"{name}.json").read_text())
+                   if (tmp / f"{name}.json").exists() else None)
+            for name, run in runs.items()}
+
+
+@pytest.fixture(params=REVISIONS)
+def two_trainers(spawn_all_runs, request):
+    return spawn_all_runs[request.param]
 
 
 def test_spawn_all_trains_both_trainers(two_trainers):
     run, summary = two_trainers
     assert run.returncode == 0, run.output
+    assert summary["remote_module"] == ("--remote_module" in run.cmd)
     for trainer in ("trainer0", "trainer1"):
         assert len(epoch_losses(run.stdout, trainer)) == 10
     assert sorted(tutorial_lines(run.stdout), key=int) == [str(e) for e in range(10) for _ in "01"]
@@ -225,8 +240,10 @@ def test_spawn_all_trained_both_halves(two_trainers):
 
 
 @pytest.mark.slow
-def test_ranks_as_separate_commands_highest_rank_first(tmp_path, runs):
-    common = ["--world_size", 3, "--master_port", find_free_port(), "--epochs", 3]
+@pytest.mark.parametrize("revision", REVISIONS)
+def test_ranks_as_separate_commands_highest_rank_first(tmp_path, runs, revision):
+    common = ["--world_size", 3, "--master_port", find_free_port(), "--epochs", 3,
+              *REVISIONS[revision]]
     ps = runs.start("ddp_rpc_hybrid", *common, "--rank", 2)
     master = runs.start("ddp_rpc_hybrid", *common, "--rank", 1,
                         "--summary_json", tmp_path / "summary.json")

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -213,20 +214,27 @@ VARIANTS = {
         endless=["--batch", "--dataset", "synthetic", "--epochs", 1000],
         roles={0: "ps", 1: "trainer1"},
         working=r"^Rank 1 training batch"),
+    "ddp_rpc_hybrid --remote_module": Example(
+        name="ddp_rpc_hybrid", world_size=3,
+        quick=["--remote_module", "--epochs", 2],
+        endless=["--remote_module", "--epochs", 100000],
+        roles={0: "trainer0", 1: "master", 2: "ps"},
+        working=r"^Training done for epoch"),
 }
 
 # The ranks killed, one run each: a rank of every kind of waiting there is, as the others notice
 # a lost peer in their own code: trainers in RPC calls (param_server), waiting for a model that
 # needs the dead trainer's gradients (--batch), the agent waiting for an episode (rl_cartpole),
 # the parameter server in its heartbeat (rnn_model_parallel), trainers in an allreduce and the
-# master waiting for their loops (ddp_rpc_hybrid), the master waiting for micro-batches
-# (pipeline_parallel). Under spawn-all the launcher stops every rank alike, whichever died: two
+# master waiting for their loops (ddp_rpc_hybrid), ps holding the RemoteModule of the 2021
+# revision (--remote_module), the master waiting for micro-batches (pipeline_parallel). Under spawn-all the launcher stops every rank alike, whichever died: two
 # examples, the second with the process group of the trainers. The others' roles were all
 # killed in turn before this list was cut to keep the slow tests within their 3 minutes.
 KILLED = {**EXAMPLES, **VARIANTS}
 KILL_CASES = [("param_server", 1, "per-rank"), ("param_server --batch", 1, "per-rank"),
               ("rl_cartpole", 1, "per-rank"), ("rnn_model_parallel", 1, "per-rank"),
               ("ddp_rpc_hybrid", 0, "per-rank"), ("ddp_rpc_hybrid", 1, "per-rank"),
+              ("ddp_rpc_hybrid --remote_module", 2, "per-rank"),
               ("pipeline_parallel", 1, "per-rank"),
               ("rl_cartpole", 1, "spawn-all"), ("ddp_rpc_hybrid", 2, "spawn-all")]
 
@@ -484,6 +492,19 @@ def test_every_example_is_covered():
     assert {p.name for p in ROOT.iterdir() if (p / "main.py").exists()} <= set(EXAMPLES)
 
 
+# The most lines each main.py may have (about 1.3 times upstream's; rnn_model_parallel's
+# counts rnn.py too, a file of its own upstream).
+LINE_BUDGETS = {"param_server": 400, "rl_cartpole": 325, "rnn_model_parallel": 250,
+                "ddp_rpc_hybrid": 260, "pipeline_parallel": 300}
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_main_py_within_its_line_budget(example):
+    files = ["main.py", "rnn.py"] if example == "rnn_model_parallel" else ["main.py"]
+    lines = sum(len((ROOT / example / name).read_text().splitlines()) for name in files)
+    assert lines <= LINE_BUDGETS[example], (example, lines)
+
+
 def test_every_folder_has_the_same_launch_py():
     """The harness is one file, copied into every example's folder so that each runs on its own;
     the fault tests above lean on it being the same everywhere."""
@@ -491,13 +512,60 @@ def test_every_folder_has_the_same_launch_py():
     assert len(set(copies.values())) == 1, "launch.py differs between the examples"
 
 
+def _code_and_comments(path):
+    """(line number, code, comment) of every line of a Python file, split where its comment
+    starts (the tokenizer knows a # in a string from one that starts a comment)."""
+    lines = path.read_text().splitlines()
+    comments = {token.start[0]: token for token in
+                tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+                if token.type == tokenize.COMMENT}
+    return [(number, line[:comments[number].start[1]] if number in comments else line,
+             comments[number].string if number in comments else "")
+            for number, line in enumerate(lines, 1)]
+
+
 def test_main_py_holds_no_harness():
-    """main.py is the tutorial's code: the harness stays in launch.py."""
+    """main.py is the tutorial's code: the harness stays in launch.py (comments may name the
+    tutorial's calls that the harness stands in for)."""
     for example in EXAMPLES:
-        source = (ROOT / example / "main.py").read_text()
+        code = "\n".join(code for _, code, _ in _code_and_comments(ROOT / example / "main.py"))
         for harness in ("HEARTBEAT_SECONDS", "SIOCGIFADDR", "def spawn_all", "TCPStore",
-                        "ArgumentTypeError", "mp.spawn"):
-            assert harness not in source, (example, harness)
+                        "ArgumentTypeError", "mp.spawn", "mp.Process"):
+            assert harness not in code, (example, harness)
+
+
+# The harness's stand-ins for the tutorials' calls, and the calls each may stand for.
+STAND_INS = {"start": ("mp.spawn(", "mp.Process("), "init_rpc_with_timeout": ("rpc.init_rpc(",),
+             "init_process_group_with_timeout": ("dist.init_process_group(",),
+             "finish_and_shutdown": ("rpc.shutdown()",)}
+
+
+@pytest.mark.parametrize("path", [f"{example}/{module}.py" for example in EXAMPLES
+                                  for module in ("main", "batch", "remote_module")
+                                  if (ROOT / example / f"{module}.py").exists()])
+def test_every_stand_in_for_a_tutorial_call_names_it(path):
+    """Beside every launch.py call that stands in for one of the tutorial's (on its line, or in
+    the comment lines just above), a `# tutorial:` comment gives the tutorial's call; and main.py
+    calls nothing else of launch.py before its "Not in the tutorial" heading."""
+    lines = _code_and_comments(ROOT / path)
+    heading = next((number for number, _, comment in lines
+                    if comment.startswith("# --------- Not in the tutorial")), len(lines) + 1)
+    seen = 0
+    for number, code, comment in lines:
+        for called in re.findall(r"\blaunch\.(\w+)\(", code):
+            if called not in STAND_INS:
+                assert not path.endswith("/main.py") or number > heading, (path, number)
+                continue
+            above = []  # the comment lines just above the call
+            for _, earlier_code, earlier_comment in reversed(lines[:number - 1]):
+                if earlier_code.strip():
+                    break
+                above.append(earlier_comment)
+            said = " ".join([comment, *above])
+            assert "# tutorial: " in said, (path, number, code.strip())
+            assert any(call in said for call in STAND_INS[called]), (path, number, said)
+            seen += 1
+    assert seen >= 2 or not path.endswith("/main.py"), path  # every rank joins, then ends
 
 
 class _RecordedWrites(io.RawIOBase):
