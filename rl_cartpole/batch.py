@@ -78,7 +78,7 @@ class BatchAgent(Agent):
         self.states = {}
         self.future_actions = torch.futures.Future()
         self.playing = 0
-        self.saved_batches = []
+        self.saved_log_probs = []
 
     @staticmethod
     @rpc.functions.async_execution
@@ -100,7 +100,7 @@ class BatchAgent(Agent):
         probs = self.policy(states.to(self.device))
         m = Categorical(probs)
         actions = m.sample()
-        self.saved_batches.append((ob_ids, m.log_prob(actions)))
+        self.saved_log_probs.append((ob_ids, m.log_prob(actions)))
         future_actions, self.future_actions = self.future_actions, torch.futures.Future()
         self.states = {}
         future_actions.set_result(dict(zip(ob_ids, actions.tolist(), strict=True)))
@@ -129,8 +129,8 @@ class BatchAgent(Agent):
         self.running_reward = 0.05 * min_reward + (1 - 0.05) * self.running_reward
         returns = discounted_returns(rewards, self.gamma, self.eps).to(self.device)
         self.env_steps += len(returns)
-        policy_loss = (-log_probs_by_observer(self.saved_batches) * returns).sum()
-        self.saved_batches = []
+        policy_loss = (-log_probs_by_observer(self.saved_log_probs) * returns).sum()
+        self.saved_log_probs = []
         self.optimizer.zero_grad()
         policy_loss.backward()
         self.optimizer.step()

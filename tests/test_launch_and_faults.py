@@ -227,9 +227,10 @@ VARIANTS = {
 # needs the dead trainer's gradients (--batch), the agent waiting for an episode (rl_cartpole),
 # the parameter server in its heartbeat (rnn_model_parallel), trainers in an allreduce and the
 # master waiting for their loops (ddp_rpc_hybrid), ps holding the RemoteModule of the 2021
-# revision (--remote_module), the master waiting for micro-batches (pipeline_parallel). Under spawn-all the launcher stops every rank alike, whichever died: two
-# examples, the second with the process group of the trainers. The others' roles were all
-# killed in turn before this list was cut to keep the slow tests within their 3 minutes.
+# revision (--remote_module), the master waiting for micro-batches (pipeline_parallel). Under
+# spawn-all the launcher stops every rank alike, whichever died: two examples, the second with
+# the process group of the trainers. The others' roles were all killed in turn before this list
+# was cut to keep the slow tests short.
 KILLED = {**EXAMPLES, **VARIANTS}
 KILL_CASES = [("param_server", 1, "per-rank"), ("param_server --batch", 1, "per-rank"),
               ("rl_cartpole", 1, "per-rank"), ("rnn_model_parallel", 1, "per-rank"),

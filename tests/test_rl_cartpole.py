@@ -130,7 +130,7 @@ def test_one_forward_pass_answers_every_observer_with_its_own_action(batching_ag
     assert torch.futures.wait_all([first, second, last]) == [0, 1, 1]
     (batch,) = agent.policy.batches  # one forward pass for the three states, in id order
     assert batch[:, 0].tolist() == [1.0, -1.0, 0.5]
-    ((ob_ids, log_probs),) = agent.saved_batches  # kept for the update, one row per observer
+    ((ob_ids, log_probs),) = agent.saved_log_probs  # kept for the update, one row per observer
     assert ob_ids == [1, 2, 3] and log_probs.shape == (3,)
 
     # The next step is a new batch.
@@ -175,7 +175,7 @@ def test_the_batched_update_is_the_tutorials_update(rl_world):
             m = Categorical(agent.policy(rows))
             log_probs = m.log_prob(torch.tensor([0, 1, 1][:len(ob_ids)], device=device))
             if batch:
-                agent.saved_batches.append((ob_ids, log_probs))
+                agent.saved_log_probs.append((ob_ids, log_probs))
             else:  # the same log-probabilities, filed per observer as the tutorial files them
                 for row, ob_id in enumerate(ob_ids):
                     agent.saved_log_probs.setdefault(ob_id, []).append(log_probs[row:row + 1])
