@@ -295,14 +295,15 @@ def _end_on_signals(name):
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     signal.set_wakeup_fd(write_end)
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, lambda number, frame: None)  # the thread below does the work
 
-    def interrupted(number, frame=None):
+    def wait_for_a_signal():
+        while (number := os.read(read_end, 1)[0]) not in (signal.SIGINT, signal.SIGTERM):
+            pass  # another signal that has a Python handler
         _interrupted(number, who=f"{name}: ")
 
-    for number in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(number, interrupted)
-    threading.Thread(target=lambda: interrupted(os.read(read_end, 1)[0]), daemon=True,
-                     name="signals").start()
+    threading.Thread(target=wait_for_a_signal, daemon=True, name="signals").start()
 
 
 # --------- Threads --------------------
