@@ -173,9 +173,9 @@ def test_help_shows_the_tutorial_sizes_and_the_corpus_sizes(capsys):
     assert exited.value.code == 0
     for default in ("--world_size N, --world-size N total number of processes: ps (rank 0) and "
                     "the trainers (default: 2)", "(default: 29500)", "(default: 10)",
-                    "--emsize N size of the word embeddings (the tutorial's `ninp`) (default: 2)"):
+                    "--emsize N size of the embeddings (default: 2)"):
         assert default in out
-    assert "each extra trainer trains a model of its own against the same ps" in out
+    assert "each trainer an LSTM (and a model of its own)" in out
     assert "--emsize 64 --nhid 64 --bptt 35 --batch_size 20 --epochs 5" in out
 
 
