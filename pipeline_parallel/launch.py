@@ -574,6 +574,13 @@ def _meet(rank, deadline, where):
             "host": socket.gethostname(), "pid": os.getpid()}
     if rank != 0:
         _store.add(f"{_KEYS}arrived", 1)
+        # Polled: a get() would wait, but torch's classic store server wakes no waiting client
+        # when compare_set (rank 0's claim) makes the key, so a get() sent before the claim
+        # would sit out the whole --init_timeout, as it did under load.
+        while not _store.check([keys[0]]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"it did not claim rank 0 within {args.init_timeout:g} s")
+            time.sleep(0.05)
         difference = _flag_differences(json.loads(_store.get(keys[0]))["flags"], mine["flags"],
                                        rank)
         if difference:
