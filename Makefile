@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 OLDEST := .venv-oldest
 
-.PHONY: run test test-quick test-oldest bench clean
+.PHONY: run test test-quick test-oldest bench pictures clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -60,12 +60,22 @@ run: $(VENV)/.run-installed
 	@$(PY) ddp_rpc_hybrid/main.py --epochs 20
 	@echo "== pipeline_parallel: ResNet-50 in two shards, 1 and then 4 micro-batches a batch"
 	@$(PY) pipeline_parallel/main.py --num_split 1,4 --batch_size 16 --num_batches 10
+	@echo "== rpc_profiling: the profiling recipe's RPCs, then both ranks profiled, one timeline in traces/"
+	@$(PY) rpc_profiling/main.py
 
 # bench/RESULTS-<cores>-cores.md and its chart: RPC against one process, side by side (13-17
 # minutes on 2 cores; QUICK=1: one shorter repetition, 4-5 minutes). SOLVE=1: instead,
 # rl_cartpole trained until solved, two ways, into bench/SOLVE.md (about 8 minutes).
 bench: $(VENV)/.dev-installed
 	$(PY) bench/bench.py $(if $(QUICK),--quick) $(if $(SOLVE),--solve)
+
+# The READMEs' pictures of a profiled run's timeline (bench/draw_timeline.py), from a fresh run.
+pictures: $(VENV)/.dev-installed
+	@dir=$$(mktemp -d) && $(PY) rpc_profiling/main.py --profile $$dir > $$dir/run.log && \
+	  $(PY) bench/draw_timeline.py $$dir/timeline.json rpc_profiling/timeline.png \
+	    --first "rpc_async#aten::add" --last "rpc_async#aten::mul" \
+	    --title "rpc_profiling: worker0's add and mul RPCs, and what worker1 ran for them" && \
+	  grep -E "^worker[01]: Wrote|^Wrote the timeline" $$dir/run.log && rm -r $$dir
 
 clean:
 	rm -rf $(VENV) $(OLDEST) .pytest_cache .ruff_cache

@@ -57,6 +57,9 @@ from pathlib import Path
 # where it is reported. torch reads TORCH_CPP_LOG_LEVEL once, when it is imported: FATAL keeps
 # only the logs of a crash, unless the user chose a level (INFO shows everything).
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+# The profiler's library (Kineto) logs each start and stop, and on a machine without a GPU an
+# "ERROR" about it; 6 is above its highest level: only what it writes into the trace remains.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 # Two known-harmless deprecation warnings come from inside PyTorch's RPC stack, in every
 # process, about its own internals: the RPC agent builds its process group through an API

@@ -10,6 +10,7 @@ as in-process RPC does) runs inside example_modules(example). The tests and benc
 
 import contextlib
 import importlib.util
+import logging
 import sys
 from pathlib import Path
 
@@ -40,6 +41,10 @@ def load_example(example, module="main"):
     loaded = _loaded.setdefault(example, {})
     if module not in loaded:
         folder = ROOT / example
+        # rpc_profiling's main.py sets the root logger to DEBUG on stdout, as its recipe does:
+        # right for its run, but the tests of this process keep the logging they had.
+        root = logging.getLogger()
+        handlers, level = root.handlers[:], root.level
         with example_modules(example):
             spec = importlib.util.spec_from_file_location(module, folder / f"{module}.py")
             sys.modules[module] = importlib.util.module_from_spec(spec)
@@ -47,4 +52,6 @@ def load_example(example, module="main"):
             for path in folder.glob("*.py"):  # what it imported from beside it, too
                 if path.stem in sys.modules:
                     loaded.setdefault(path.stem, sys.modules[path.stem])
+        root.handlers[:] = handlers
+        root.setLevel(level)
     return loaded[module]

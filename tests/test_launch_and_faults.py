@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import tokenize
 from dataclasses import dataclass, field
@@ -77,6 +78,13 @@ EXAMPLES = {
         working=r"^Processing batch 1$",
         bad_inputs=[(["--world_size", "4"], "runs 3 ranks"),
                     (["--num_split", "5"], "more micro-batches than the 4 images")]),
+    "rpc_profiling": Example(
+        name="rpc_profiling", world_size=2,
+        quick=["--profile", Path(tempfile.gettempdir()) / "rpc_profiling_tests"],
+        endless=[],  # the recipe's run is short: no kill test waits for it
+        roles={0: "worker0", 1: "worker1"},
+        working=r"successfully initialized RPC",
+        bad_inputs=[(["--profile", "/dev/null"], "a file is there")]),
 }
 
 
@@ -496,7 +504,8 @@ def test_every_example_is_covered():
 # The most lines each main.py may have (about 1.3 times upstream's; rnn_model_parallel's
 # counts rnn.py too, a file of its own upstream).
 LINE_BUDGETS = {"param_server": 400, "rl_cartpole": 325, "rnn_model_parallel": 250,
-                "ddp_rpc_hybrid": 260, "pipeline_parallel": 300}
+                "ddp_rpc_hybrid": 260, "pipeline_parallel": 300,
+                "rpc_profiling": 260}  # the recipe's 60 lines, then the way that works today
 
 
 @pytest.mark.parametrize("example", EXAMPLES)

@@ -1,0 +1,253 @@
+"""Profiling PyTorch RPC-Based Workloads (the recipe): its code, runnable, then what works on
+today's torch. worker0 sends worker1 two builtin operators and a user-defined function under the
+profiler, as the recipe does; the recipe's output, the callee's operators in the caller's table,
+no longer appears, so every rank then profiles itself and rank 0 merges the traces into one
+timeline (timeline.py). README.md says what differs and why; launch.py starts the ranks and
+bounds every wait. `python main.py`, or `--rank R` in each terminal."""
+
+import launch  # first: it quiets torch's C++ logs, which are set when torch loads
+
+# isort: split
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+
+import torch
+import torch.autograd.profiler as profiler
+import torch.distributed.rpc as rpc
+
+import timeline
+
+logging.basicConfig(stream=sys.stdout, level=logging.DEBUG)
+logger = logging.getLogger()
+
+
+def random_tensor():
+    return torch.rand((3, 3), requires_grad=True)
+
+
+def udf_with_ops():
+    import time
+    time.sleep(1)
+    t1, t2 = random_tensor(), random_tensor()
+    torch.add(t1, t2)
+    torch.mul(t1, t2)
+
+
+def worker(rank, world_size, args):
+    torch.manual_seed(args.seed)  # not in the recipe: random_tensor()'s values, repeatable
+    worker_name = f"worker{rank}"
+
+    # Initialize RPC framework.
+    # tutorial: rpc.init_rpc(name=worker_name, rank=rank, world_size=world_size)
+    launch.init_rpc_with_timeout(worker_name, rank=rank, world_size=world_size)
+    logger.debug(f"{worker_name} successfully initialized RPC.")
+
+    if rank == 0:
+        dst_worker_rank = (rank + 1) % world_size
+        dst_worker_name = f"worker{dst_worker_rank}"
+        t1, t2 = random_tensor(), random_tensor()
+        # Send and wait RPC completion under profiling scope.
+        with profiler.profile() as prof:
+            fut1 = rpc.rpc_async(dst_worker_name, torch.add, args=(t1, t2))
+            fut2 = rpc.rpc_async(dst_worker_name, torch.mul, args=(t1, t2))
+            # RPCs must be awaited within profiling scope.
+            fut1.wait()
+            fut2.wait()
+        print(prof.key_averages().table())
+
+        with profiler.profile() as p:
+            fut = rpc.rpc_async(dst_worker_name, udf_with_ops)
+            fut.wait()
+        print(p.key_averages().table())
+
+        # the recipe's "/tmp/trace.json" is in --profile DIR
+        trace_file = os.path.join(args.profile, "trace.json")
+        prof.export_chrome_trace(trace_file)
+        logger.debug(f"Wrote trace to {trace_file}")
+
+        recipe = say_what_the_recipes_profiles_hold(prof, p, dst_worker_name)
+        profiled = {**profile_every_rank(worker_name, dst_worker_name, t1, t2, world_size, args),
+                    "recipe": recipe}
+    else:
+        profiled = profile_until_worker0_is_done(worker_name, args)
+
+    logger.debug(f"Rank {rank} waiting for workers and shutting down RPC")
+    reports = launch.finish_and_shutdown(profiled)  # tutorial: rpc.shutdown()
+    logger.debug(f"Rank {rank} shutdown RPC")
+    if rank == 0:
+        write_timeline(args, {worker_name: profiled, **reports})
+
+
+# --------- Not in the tutorial: every rank profiled, one timeline --------------------
+#
+# worker0 waits until every other rank's profiler runs, sends worker1 the recipe's RPCs again
+# under a profiler of its own, and tells the others to stop; each writes its trace and reports
+# it with finish_and_shutdown, so that worker0 can merge them even when the ranks run on
+# machines that share no folder.
+
+PROFILER_OPTIONS, ALL_THREADS = timeline.profiler_options()
+profiling = threading.Event()  # set on a rank other than 0 while its profiler runs
+stop_profiling = threading.Event()  # set by worker0 when it is done
+
+
+def say_what_the_recipes_profiles_hold(prof, p, dst_worker_name):
+    """The recipe's tables list the callee's operators (Node ID 1); say what they hold here."""
+    events = list(prof.function_events) + list(p.function_events)
+    remote = [event for event in events if getattr(event, "node_id", -1) not in (-1, 0)]
+    print(f"The recipe's two profiles hold {len(events)} events, {len(remote)} of them run on "
+          f"{dst_worker_name} (torch {torch.__version__}: the profiler records the caller only; "
+          "torch 1.6, the recipe's, showed the callee's operators as remote_op rows).")
+    return {"events": len(events), "remote_events": len(remote)}
+
+
+def wait_until_profiling(seconds):
+    if not profiling.wait(seconds):
+        raise RuntimeError(f"{rpc.get_worker_info().name}'s profiler did not start")
+
+
+def clock():
+    return socket.gethostname(), time.time_ns()
+
+
+def clock_offset(other):
+    """How far other's clock is ahead of this rank's, in ns (0 on this machine: one clock), and
+    how far off that may be (half the call's round trip)."""
+    before = time.time_ns()
+    host, theirs = rpc.rpc_sync(other, clock)
+    after = time.time_ns()
+    if host == socket.gethostname():
+        return 0, 0
+    return theirs - (before + after) // 2, (after - before) // 2
+
+
+def stop():
+    stop_profiling.set()
+
+
+def profile_every_rank(worker_name, dst_worker_name, t1, t2, world_size, args):
+    others = [f"worker{rank}" for rank in range(1, world_size)]
+    for other in others:
+        rpc.rpc_sync(other, wait_until_profiling, args=(args.rpc_timeout,))
+    print(f"Now every rank profiles itself{'' if ALL_THREADS else ' (main thread only)'}: "
+          f"the same RPCs again, each inside a span named as the recipe's table row")
+    with torch.profiler.profile(**PROFILER_OPTIONS) as prof:
+        with torch.profiler.record_function(f"rpc_async#aten::add({worker_name} -> "
+                                            f"{dst_worker_name})"):
+            fut1 = rpc.rpc_async(dst_worker_name, torch.add, args=(t1, t2))
+            fut1.wait()
+        with torch.profiler.record_function(f"rpc_async#aten::mul({worker_name} -> "
+                                            f"{dst_worker_name})"):
+            fut2 = rpc.rpc_async(dst_worker_name, torch.mul, args=(t1, t2))
+            fut2.wait()
+        with torch.profiler.record_function(f"rpc_async#udf_with_ops({worker_name} -> "
+                                            f"{dst_worker_name})"):
+            rpc.rpc_async(dst_worker_name, udf_with_ops).wait()
+    for other in others:
+        rpc.rpc_sync(other, stop)
+    return {**finish_profile(prof, worker_name, args),
+            "clocks": {other: clock_offset(other) for other in others}}
+
+
+def profile_until_worker0_is_done(worker_name, args):
+    with torch.profiler.profile(**PROFILER_OPTIONS) as prof:
+        profiling.set()
+        stop_profiling.wait(args.rpc_timeout)
+    return finish_profile(prof, worker_name, args)
+
+
+def finish_profile(prof, worker_name, args):
+    """Write this rank's trace, print its top operators; its trace, host and clock."""
+    text, wrote = timeline.export(prof, os.path.join(args.profile, f"{worker_name}.json"))
+    print(f"{worker_name}: {wrote}")
+    missing = ("" if ALL_THREADS or worker_name == "worker0" else
+               f"; torch {torch.__version__} records the main thread only, which misses the "
+               "operators that RPCs run on TensorPipe's threads")
+    # one print: the ranks share the terminal, and a table in pieces would mix with another's
+    print(f"{worker_name}: top operators (self CPU time){missing}\n"
+          + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=6))
+    return {"trace": text}
+
+
+def write_timeline(args, profiled):
+    """Merge every rank's trace (in rank order) into --profile's timeline.json."""
+    clocks = profiled["worker0"]["clocks"]
+    for name, (offset, error) in clocks.items():
+        if error:
+            print(f"{name}'s clock is {offset / 1e6:+.3f} ms from worker0's (measured over RPC, "
+                  f"within {error / 1e6:.3f} ms); its events are moved by that much")
+    traces = {name: profiled[name]["trace"] for name in sorted(profiled, key=rank_of)}
+    merged = timeline.merge(traces, {name: offset for name, (offset, _) in clocks.items()})
+    path = os.path.join(args.profile, "timeline.json")
+    with open(path, "w") as file:
+        json.dump(merged, file)
+    print(f"Wrote the timeline of {len(traces)} ranks to {path} "
+          f"({os.path.getsize(path) / 1024:.0f} kB): open it in https://ui.perfetto.dev")
+    recipe = profiled["worker0"]["recipe"]
+    on_worker1 = [event["name"] for event in json.loads(traces["worker1"])["traceEvents"]
+                  if event.get("ph") == "X" and event["name"].startswith("aten::")]
+    launch.write_summary(
+        {"example": "rpc_profiling", "torch": torch.__version__, "all_threads": ALL_THREADS,
+         "recipe_events": recipe["events"], "recipe_remote_events": recipe["remote_events"],
+         "worker1_operators": len(on_worker1), "timeline": path,
+         "trace_bytes": {name: len(text) for name, text in traces.items()}},
+        f"the recipe's profiles: {recipe['events']} events, {recipe['remote_events']} of "
+        f"worker1; worker1's own profile: {len(on_worker1)} operators; a timeline of "
+        f"{len(traces)} ranks")
+
+
+# --------- Not in the tutorial: names, the command line --------------------
+
+def rank_of(name):
+    return int(name.removeprefix("worker"))
+
+
+def worker_name(rank, world_size):
+    return f"worker{rank}"
+
+
+def doing(rank, world_size):  # said once a rank has joined
+    if rank == 0:
+        return "sending RPCs to worker1 under the profiler"
+    return "answering worker0's RPCs" if rank == 1 else "profiled, idle: worker0 calls worker1"
+
+
+def parse_args(argv=None):
+    parser = launch.ArgumentParser(description=(
+        "Profiling RPC: worker0 sends worker1 two operators and a function under the "
+        "profiler, as the recipe does, then every rank profiles itself and worker0 writes one "
+        "timeline of them all."))
+    launch.add_launch_arguments(parser, world_size=2, min_world_size=2,
+                                roles="worker0 (sends the RPCs), worker1 (runs them), others "
+                                      "idle", rpc_transport="auto")
+    parser.add_argument(
+        "--profile", default="traces", metavar="DIR",
+        help="folder for the traces: the recipe's trace.json, one per rank (worker0.json, ...) "
+             "and worker0's timeline.json of them all; made if missing")
+    args = launch.parse_args(parser, argv, min_world_size=2, per_rank=["profile"])
+    if os.path.exists(args.profile) and not os.path.isdir(args.profile):
+        parser.error(f"--profile {args.profile}: a file is there; give a folder")
+    try:
+        os.makedirs(args.profile, exist_ok=True)
+    except OSError as err:
+        parser.error(f"--profile {args.profile}: cannot make that folder "
+                     f"({os.strerror(err.errno) if err.errno else err})")
+    if not os.access(args.profile, os.W_OK | os.X_OK):
+        parser.error(f"--profile {args.profile}: cannot write in that folder")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # tutorial: mp.spawn(worker, args=(world_size,), nprocs=world_size)
+    # heavy: the ranks that get the cores' threads; 3 x 3 tensors need no more than one.
+    launch.start(args, worker, worker_name, doing, heavy=lambda rank, world_size: False)
+
+
+if __name__ == "__main__":
+    main()
