@@ -4,6 +4,7 @@ runs listening on loopback only. Everything that starts processes is marked slow
 
 import io
 import ipaddress
+import json
 import multiprocessing
 import os
 import re
@@ -443,6 +444,37 @@ def test_a_rank_started_twice_is_told_it_is_taken(runs):
     for run in (agent, first):
         run.wait(timeout=60)
         assert run.returncode == 0, run.output
+
+
+def test_a_rank_that_asks_before_rank_0_claims_joins_at_once(monkeypatch):
+    """Rank 1 at the store before rank 0 has claimed its rank (the host's claim can lag under
+    load): it joins as soon as rank 0 claims, not after --init_timeout. In-process: rank 1's
+    join (_meet) in a thread, rank 0's claim from the test half a second later."""
+    import argparse
+    import datetime
+    import threading
+
+    launch = load_example("rl_cartpole", "launch")
+    port = find_free_port()
+    args = argparse.Namespace(world_size=2, init_timeout=20.0, max_episodes=5,
+                              per_rank=[*launch.PER_RANK_FLAGS, "per_rank"])
+    for name, value in (("_args", args), ("_name", "observer1"),
+                        ("_worker_name", lambda rank, _: f"rank{rank}")):
+        monkeypatch.setattr(launch, name, value)
+    host = launch._host_store("127.0.0.1", port, 20)
+    monkeypatch.setattr(launch, "_store", launch.dist.TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=20)))
+    joined = []
+    started = time.monotonic()
+    rank1 = threading.Thread(target=lambda: joined.append(
+        launch._meet(1, started + 20, f"127.0.0.1:{port}")))
+    rank1.start()
+    time.sleep(0.5)
+    host.compare_set("rpc_examples/rank0", "", json.dumps(
+        {"flags": {"max_episodes": 5, "world_size": 2}, "host": "h", "pid": 1}))
+    rank1.join(timeout=25)
+    assert joined == [None]  # everyone joined
+    assert time.monotonic() - started < 5
 
 
 # --------- Several hosts --------------------
