@@ -6,7 +6,7 @@ import socket
 
 import pytest
 import torch
-from conftest import find_free_port, finish_together, load_example, start_example
+from conftest import TCP, find_free_port, finish_together, load_example, start_example
 
 hybrid = load_example("ddp_rpc_hybrid")
 
@@ -191,7 +191,7 @@ REVISIONS = {"emb_rref": [], "remote_module": ["--remote_module"]}
 def spawn_all_runs(tmp_path_factory):
     """A spawn-all run (two trainers, the master, ps) of each revision, started together."""
     tmp = tmp_path_factory.mktemp("ddp")
-    runs = {name: start_example("ddp_rpc_hybrid", "--epochs", 10, *flags, "--master_port",
+    runs = {name: start_example("ddp_rpc_hybrid", "--epochs", 10, *flags, *TCP, "--master_port",
                                 find_free_port(), "--summary_json", tmp / f"{name}.json",
                                 log_dir=tmp)
             for name, flags in REVISIONS.items()}

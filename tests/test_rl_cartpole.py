@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.rpc as rpc
-from conftest import find_free_port, finish_together, load_example, start_example
+from conftest import TCP, find_free_port, finish_together, load_example, start_example
 from example_modules import example_modules
 from torch.distributions import Categorical
 
@@ -278,7 +278,7 @@ def finished(tmp_path_factory):
 
     def start(*args, summary=None):
         summary_args = ("--summary_json", tmp / f"{summary}.json") if summary else ()
-        return start_example("rl_cartpole", "--log_interval", 1, *args, *summary_args,
+        return start_example("rl_cartpole", "--log_interval", 1, *TCP, *args, *summary_args,
                              log_dir=tmp)
 
     started = {

@@ -11,7 +11,7 @@ import socket
 import pytest
 import torch
 import torch.nn as nn
-from conftest import find_free_port, load_example, start_example
+from conftest import TCP, find_free_port, load_example, start_example
 
 rnn_main = load_example("rnn_model_parallel")
 rnn = load_example("rnn_model_parallel", "rnn")
@@ -214,7 +214,7 @@ def finished(tmp_path_factory):
 
     def start(*args, summary=None):
         summary_args = ("--summary_json", tmp / f"{summary}.json") if summary else ()
-        return start_example("rnn_model_parallel", *args, *summary_args, log_dir=tmp)
+        return start_example("rnn_model_parallel", *TCP, *args, *summary_args, log_dir=tmp)
 
     started = {
         "spawn_all": [start(*SYNTHETIC, 4, "--master_port", find_free_port(),
