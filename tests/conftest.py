@@ -19,8 +19,6 @@ import torch.distributed.rpc as rpc
 from example_modules import load_example
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ("param_server", "rl_cartpole", "rnn_model_parallel", "ddp_rpc_hybrid",
-            "pipeline_parallel", "rpc_profiling")
 
 
 # --------- Ports --------------------
