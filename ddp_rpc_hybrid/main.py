@@ -114,6 +114,7 @@ def _run_trainer(emb_rref, rank, args):
                 opt.step(context_id)
                 # No zero_grad: each iteration's context holds its own gradients.
             losses.append(loss.item())
+            launch.profile_step()  # not in the tutorial: --profile's window (launch.py)
         print("Training done for epoch {}".format(epoch))
         epoch_losses.append(sum(losses) / len(losses))
         print(f"trainer{rank}: epoch {epoch} loss {epoch_losses[-1]:.4f}")
@@ -237,8 +238,7 @@ def parse_args(argv=None):
                                 roles="N-2 trainers (ranks 0 to N-3), the master (rank N-2) and "
                                       "the parameter server ps (rank N-1)", rpc_transport="auto")
     add = parser.add_argument
-    add("--epochs", type=launch.int_at_least(1), default=100, metavar="N",
-        help="epochs of training on each trainer")
+    add("--epochs", type=launch.int_at_least(1), default=100, metavar="N", help="epochs a trainer")
     add("--batches_per_epoch", "--batches-per-epoch", type=launch.int_at_least(1), default=10,
         metavar="N", help="batches in each epoch")
     add("--remote_module", "--remote-module", action="store_true",
@@ -253,7 +253,7 @@ def main(argv=None):
     # heavy: the ranks that get the cores' threads; a model this small gains nothing from them.
     # tutorial: mp.spawn(run_worker, args=(world_size, ), nprocs=world_size, join=True)
     launch.start(args, remote_module.run_worker if args.remote_module else run_worker,
-                 worker_name, doing, heavy=lambda rank, world_size: False)
+                 worker_name, doing, heavy=lambda *_: False, steps=lambda rank, n: rank < n - 2)
 
 
 if __name__ == "__main__":

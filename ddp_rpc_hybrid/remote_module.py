@@ -86,6 +86,7 @@ def _run_trainer(remote_emb_module, rank, args):
                 dist_autograd.backward(context_id, [loss])
                 opt.step(context_id)
             losses.append(loss.item())
+            launch.profile_step()  # not in the tutorial: --profile's window (launch.py)
         print("Training done for epoch {}".format(epoch))
         epoch_losses.append(sum(losses) / len(losses))
         print(f"trainer{rank}: epoch {epoch} loss {epoch_losses[-1]:.4f}")

@@ -144,6 +144,7 @@ class Trainer:
             ).to(self.device)
             if log:
                 timed_log(f"{name} got updated model")
+            launch.profile_step()  # not in the tutorial: --profile's window (launch.py)
         train_seconds = time.perf_counter() - started
         self.ps_rref.rpc_sync().trainer_done()
         print("Training complete!")

@@ -195,6 +195,7 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, args):
                         net.param_server_rref,
                         cid) != []
                 opt.step(cid)
+            launch.profile_step()  # not in the tutorial: --profile's window (launch.py)
     train_seconds = time.perf_counter() - started
 
     print("Training complete!")
@@ -356,11 +357,12 @@ def main(argv=None):
         # the trainers train, the server averages their gradients
         # tutorial: mp.spawn(run, args=(world_size, ), nprocs=world_size, join=True)
         launch.start(args, batch.run, batch.worker_name, batch.doing,
-                     heavy=lambda rank, _: rank != 0)
+                     heavy=lambda rank, _: rank != 0, steps=lambda rank, _: rank != 0)
     else:
         # the server runs the model, the trainers wait for it
         # tutorial: p = mp.Process(target=run_parameter_server or run_worker, ...); p.start()
-        launch.start(args, run, worker_name, doing, heavy=lambda rank, _: rank == 0)
+        launch.start(args, run, worker_name, doing, heavy=lambda rank, _: rank == 0,
+                     steps=lambda rank, _: rank != 0)
 
 
 if __name__ == "__main__":

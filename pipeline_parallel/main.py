@@ -196,6 +196,7 @@ def run_master(num_split, args):
         seconds.append(time.perf_counter() - started)
         losses.append(loss.item())
         print(f"num_split {num_split}, batch {i}: loss {loss.item():.4f}, {seconds[-1]:.3f} s")
+        launch.profile_step()  # not in the tutorial: --profile's window (launch.py)
     return losses, seconds
 
 
@@ -238,8 +239,7 @@ def worker_name(rank, world_size):
 
 
 def doing(rank, world_size):  # what a rank does, said once it has joined
-    return ("sending micro-batches through worker1 and worker2" if rank == 0 else
-            f"running shard {rank} of ResNet-50 for master")
+    return "sending micro-batches through both shards" if rank == 0 else f"running shard {rank}"
 
 
 def write_summary(args, results):
@@ -269,8 +269,7 @@ def parse_args(argv=None):
                                 rpc_transport="tcp")
     add, at_least = parser.add_argument, launch.int_at_least
     add("--num_split", "--num-split", type=launch.int_list_at_least(1), default=[1, 2, 4, 8],
-        metavar="N[,N...]",
-        help="micro-batches per batch; several, separated by commas, are timed in turn")
+        metavar="N[,N...]", help="micro-batches per batch; several (1,2,4) are timed in turn")
     add("--batch_size", "--batch-size", type=at_least(1), default=32, metavar="N",
         help="images per batch (the tutorial's 120)")
     # >= 64: below, shard 2 ends at 1 x 1 pixel, where batch norm fails on a 1-image micro-batch
@@ -292,8 +291,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     # tutorial: mp.spawn(run_worker, args=(world_size, num_split), nprocs=world_size, join=True)
-    # heavy: the ranks that share the cores' threads: the workers run the shards, the master waits
-    launch.start(args, run_worker, worker_name, doing, heavy=lambda rank, _: rank != 0)
+    # heavy (sharing the cores' threads): the workers run the shards; steps: the master's loop
+    launch.start(args, run_worker, worker_name, doing, heavy=lambda rank, _: rank != 0,
+                 steps=lambda rank, _: rank == 0)
 
 
 if __name__ == "__main__":

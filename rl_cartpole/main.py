@@ -171,6 +171,7 @@ def run_worker(rank, world_size, args, agent_class=Agent):
         for i_episode in count(1):
             agent.run_episode(n_steps=TOTAL_EPISODE_STEP)
             last_reward = agent.finish_episode()
+            launch.profile_step()  # not in the tutorial: --profile's window (launch.py)
 
             if i_episode % args.log_interval == 0:
                 print('Episode {}\tLast reward: {:.2f}\tAverage reward: {:.2f}'.format(
@@ -261,7 +262,7 @@ def main(argv=None):
     # tutorial: mp.spawn(run_worker, args=(args.world_size, ), nprocs=args.world_size, join=True)
     # heavy: the ranks that get the cores' threads; a policy this small gains nothing from them.
     launch.start(args, batch.run_batch_worker if args.batch else run_worker, worker_name, doing,
-                 heavy=lambda rank, world_size: False)
+                 heavy=lambda rank, world_size: False, steps=lambda rank, _: rank == 0)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ def _run_trainer(name, args):
                 # no zero_grad: each iteration's context holds its own gradients
             loss_sum, targets = loss_sum + loss.item() * target.numel(), targets + target.numel()
             iterations += 1
+            launch.profile_step()  # not in the tutorial: --profile's window (launch.py)
         print("Training epoch {}".format(epoch))
         losses.append(loss_sum / targets)
         print(f"{name}: epoch {epoch} loss {losses[-1]:.4f} perplexity {math.exp(losses[-1]):.2f}")
@@ -130,8 +131,7 @@ def parse_args(argv=None):
     add("--max_batches", "--max-batches", type=at_least(1), default=None, metavar="N",
         help="end each epoch after this many batches (for short runs)")
     add("--bptt", type=at_least(1), default=5, metavar="N", help="time steps per batch")
-    add("--batch_size", "--batch-size", type=at_least(1), default=3, metavar="N",
-        help="sequences per batch")
+    add("--batch_size", "--batch-size", type=at_least(1), default=3, metavar="N", help="sequences")
     add("--emsize", type=at_least(1), default=2, metavar="N", help="size of the embeddings")
     add("--nhid", type=at_least(1), default=3, metavar="N", help="hidden units per LSTM layer")
     add("--nlayers", type=at_least(1), default=1, metavar="N", help="LSTM layers")
@@ -149,8 +149,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     # tutorial: mp.spawn(run_worker, args=(world_size, ), nprocs=world_size, join=True)
-    # heavy: the ranks that get the cores' threads; a model this small gains nothing from them.
-    launch.start(args, run_worker, worker_name, doing, heavy=lambda rank, world_size: False)
+    # heavy: none, a model this small gains nothing from threads; steps: the trainers' loops
+    launch.start(args, run_worker, worker_name, doing, heavy=lambda *_: False,
+                 steps=lambda rank, _: rank != 0)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,6 @@ class RNNModel(nn.Module):
     """The embedding table and the decoder on the parameter server `ps`, the LSTM here."""
     def __init__(self, ps, ntoken, ninp, nhid, nlayers, dropout=0.5):
         super().__init__()
-
         # the embedding table, on ps
         self.emb_table_rref = rpc.remote(ps, EmbeddingTable, args=(ntoken, ninp, dropout))
         # Wait for the table to exist (by asking where it is) before creating the decoder, so

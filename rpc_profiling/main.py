@@ -2,8 +2,8 @@
 today's torch. worker0 sends worker1 two builtin operators and a user-defined function under the
 profiler, as the recipe does; the recipe's output, the callee's operators in the caller's table,
 no longer appears, so every rank then profiles itself and rank 0 merges the traces into one
-timeline (timeline.py). README.md says what differs and why; launch.py starts the ranks and
-bounds every wait. `python main.py`, or `--rank R` in each terminal."""
+timeline (with launch.py's merge). README.md says what differs and why; launch.py starts the
+ranks and bounds every wait. `python main.py`, or `--rank R` in each terminal."""
 
 import launch  # first: it quiets torch's C++ logs, which are set when torch loads
 
@@ -12,7 +12,6 @@ import launch  # first: it quiets torch's C++ logs, which are set when torch loa
 import json
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -20,8 +19,6 @@ import time
 import torch
 import torch.autograd.profiler as profiler
 import torch.distributed.rpc as rpc
-
-import timeline
 
 logging.basicConfig(stream=sys.stdout, level=logging.DEBUG)
 logger = logging.getLogger()
@@ -32,7 +29,6 @@ def random_tensor():
 
 
 def udf_with_ops():
-    import time
     time.sleep(1)
     t1, t2 = random_tensor(), random_tensor()
     torch.add(t1, t2)
@@ -91,7 +87,7 @@ def worker(rank, world_size, args):
 # it with finish_and_shutdown, so that worker0 can merge them even when the ranks run on
 # machines that share no folder.
 
-PROFILER_OPTIONS, ALL_THREADS = timeline.profiler_options()
+PROFILER_OPTIONS, ALL_THREADS = launch.profiler_options()
 profiling = threading.Event()  # set on a rank other than 0 while its profiler runs
 stop_profiling = threading.Event()  # set by worker0 when it is done
 
@@ -109,21 +105,6 @@ def say_what_the_recipes_profiles_hold(prof, p, dst_worker_name):
 def wait_until_profiling(seconds):
     if not profiling.wait(seconds):
         raise RuntimeError(f"{rpc.get_worker_info().name}'s profiler did not start")
-
-
-def clock():
-    return socket.gethostname(), time.time_ns()
-
-
-def clock_offset(other):
-    """How far other's clock is ahead of this rank's, in ns (0 on this machine: one clock), and
-    how far off that may be (half the call's round trip)."""
-    before = time.time_ns()
-    host, theirs = rpc.rpc_sync(other, clock)
-    after = time.time_ns()
-    if host == socket.gethostname():
-        return 0, 0
-    return theirs - (before + after) // 2, (after - before) // 2
 
 
 def stop():
@@ -151,7 +132,7 @@ def profile_every_rank(worker_name, dst_worker_name, t1, t2, world_size, args):
     for other in others:
         rpc.rpc_sync(other, stop)
     return {**finish_profile(prof, worker_name, args),
-            "clocks": {other: clock_offset(other) for other in others}}
+            "clocks": {other: launch.clock_offset(other) for other in others}}
 
 
 def profile_until_worker0_is_done(worker_name, args):
@@ -163,8 +144,11 @@ def profile_until_worker0_is_done(worker_name, args):
 
 def finish_profile(prof, worker_name, args):
     """Write this rank's trace, print its top operators; its trace, host and clock."""
-    text, wrote = timeline.export(prof, os.path.join(args.profile, f"{worker_name}.json"))
-    print(f"{worker_name}: {wrote}")
+    path = os.path.join(args.profile, f"{worker_name}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as file:
+        text = file.read()
+    print(f"{worker_name}: Wrote trace to {path} ({len(text) / 1024:.0f} kB)")
     missing = ("" if ALL_THREADS or worker_name == "worker0" else
                f"; torch {torch.__version__} records the main thread only, which misses the "
                "operators that RPCs run on TensorPipe's threads")
@@ -178,24 +162,23 @@ def write_timeline(args, profiled):
     """Merge every rank's trace (in rank order) into --profile's timeline.json."""
     clocks = profiled["worker0"]["clocks"]
     for name, (offset, error) in clocks.items():
-        if error:
-            print(f"{name}'s clock is {offset / 1e6:+.3f} ms from worker0's (measured over RPC, "
-                  f"within {error / 1e6:.3f} ms); its events are moved by that much")
-    traces = {name: profiled[name]["trace"] for name in sorted(profiled, key=rank_of)}
-    merged = timeline.merge(traces, {name: offset for name, (offset, _) in clocks.items()})
-    path = os.path.join(args.profile, "timeline.json")
-    with open(path, "w") as file:
-        json.dump(merged, file)
-    print(f"Wrote the timeline of {len(traces)} ranks to {path} "
-          f"({os.path.getsize(path) / 1024:.0f} kB): open it in https://ui.perfetto.dev")
+        if error:  # offset: how far worker0's clock is ahead of theirs
+            print(f"{name}'s clock is {-offset / 1e6:+.3f} ms from worker0's (measured over "
+                  f"RPC, within {error / 1e6:.3f} ms); its events are moved by that much")
+    traces = {name: {**json.loads(profiled[name]["trace"]),
+                     "clockOffsetNs": -clocks.get(name, (0, 0))[0]}
+              for name in sorted(profiled, key=rank_of)}
+    wrote = launch.write_timeline(args.profile, traces)
+    print(wrote[0].upper() + wrote[1:])
+    path = os.path.join(args.profile, launch.TIMELINE)
     recipe = profiled["worker0"]["recipe"]
-    on_worker1 = [event["name"] for event in json.loads(traces["worker1"])["traceEvents"]
+    on_worker1 = [event["name"] for event in traces["worker1"]["traceEvents"]
                   if event.get("ph") == "X" and event["name"].startswith("aten::")]
     launch.write_summary(
         {"example": "rpc_profiling", "torch": torch.__version__, "all_threads": ALL_THREADS,
          "recipe_events": recipe["events"], "recipe_remote_events": recipe["remote_events"],
          "worker1_operators": len(on_worker1), "timeline": path,
-         "trace_bytes": {name: len(text) for name, text in traces.items()}},
+         "trace_bytes": {name: len(profiled[name]["trace"]) for name in traces}},
         f"the recipe's profiles: {recipe['events']} events, {recipe['remote_events']} of "
         f"worker1; worker1's own profile: {len(on_worker1)} operators; a timeline of "
         f"{len(traces)} ranks")
@@ -224,21 +207,13 @@ def parse_args(argv=None):
         "timeline of them all."))
     launch.add_launch_arguments(parser, world_size=2, min_world_size=2,
                                 roles="worker0 (sends the RPCs), worker1 (runs them), others "
-                                      "idle", rpc_transport="auto")
+                                      "idle", rpc_transport="auto", profiled=False)
     parser.add_argument(
         "--profile", default="traces", metavar="DIR",
         help="folder for the traces: the recipe's trace.json, one per rank (worker0.json, ...) "
              "and worker0's timeline.json of them all; made if missing")
     args = launch.parse_args(parser, argv, min_world_size=2, per_rank=["profile"])
-    if os.path.exists(args.profile) and not os.path.isdir(args.profile):
-        parser.error(f"--profile {args.profile}: a file is there; give a folder")
-    try:
-        os.makedirs(args.profile, exist_ok=True)
-    except OSError as err:
-        parser.error(f"--profile {args.profile}: cannot make that folder "
-                     f"({os.strerror(err.errno) if err.errno else err})")
-    if not os.access(args.profile, os.W_OK | os.X_OK):
-        parser.error(f"--profile {args.profile}: cannot write in that folder")
+    launch.profile_folder(parser, args.profile)
     return args
 
 

@@ -3,6 +3,7 @@ that also checks nothing is left running, and tiny MNIST files. In-process acces
 example's modules is in example_modules.py."""
 
 import gzip
+import json
 import os
 import re
 import signal
@@ -77,6 +78,7 @@ class Run:
             full_env.pop(name, None)
         full_env.update(env or {})
         log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir  # the folder of its output, and of what a test writes beside it
         stem = log_dir / f"run{len(list(log_dir.glob('*.out')))}"
         self.out_path, self.err_path = stem.with_suffix(".out"), stem.with_suffix(".err")
         self.cmd = [str(part) for part in cmd]
@@ -202,6 +204,42 @@ def run_example(example, *args, timeout=120, env=None, log_dir=None):
     run.kill_session()
     assert not alive, f"processes left running after {example}: {alive}"
     return run
+
+
+# --------- --profile's timeline --------------------
+
+def profile_all_threads():
+    """Whether this torch's profiler records every thread (RPC's too), as launch.py asks it."""
+    return load_example("param_server", "launch").profiler_options()[1]
+
+
+def check_timeline(runs, folder, ranks, callee, operators):
+    """A run with --profile FOLDER (its commands: one, or one per rank): every rank's trace,
+    and a timeline that opens as JSON with a track per rank (`ranks`, in rank order) whose
+    loops' step spans bound a window, inside which the rank `callee` ran one of `operators` (the
+    work the tutorial says runs there), where this torch records RPC's threads; where it does
+    not, the run says so. Returns the timeline's events."""
+    for run in runs:
+        assert run.returncode == 0, run.output
+    stdout = "".join(run.stdout for run in runs)
+    for name in ranks:
+        assert re.search(rf"^{name}: profiled .*; wrote .*{name}\.json \(\d+ kB\)", stdout,
+                         re.M), stdout
+    assert re.search(rf"wrote the timeline of {len(ranks)} ranks to .*timeline\.json \(\d+ kB\)"
+                     r": open it in https://ui\.perfetto\.dev", stdout), stdout
+    events = json.loads((folder / "timeline.json").read_text())["traceEvents"]
+    tracks = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert [tracks[pid] for pid in sorted(tracks) if pid % 1000 == 0] == list(ranks)
+    steps = [e for e in events if e.get("ph") == "X" and e["name"].startswith("step ")]
+    assert steps, "no step spans of the looping ranks"
+    start, end = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
+    if not profile_all_threads():
+        assert "records only the thread that started the profiler" in stdout
+        return events
+    work = {e["name"] for e in events if e.get("ph") == "X" and tracks.get(e["pid"]) == callee
+            and start <= e["ts"] <= end}
+    assert work & set(operators), f"none of {operators} on {callee} in the window: {work}"
+    return events
 
 
 # --------- An RPC world of this test process alone --------------------

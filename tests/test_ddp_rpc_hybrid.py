@@ -6,7 +6,14 @@ import socket
 
 import pytest
 import torch
-from conftest import TCP, find_free_port, finish_together, load_example, start_example
+from conftest import (
+    TCP,
+    check_timeline,
+    find_free_port,
+    finish_together,
+    load_example,
+    start_example,
+)
 
 hybrid = load_example("ddp_rpc_hybrid")
 
@@ -185,6 +192,7 @@ def tutorial_lines(output):
 
 # The tutorial's two revisions: 2020 (main.py, the seed's) and 2021 (--remote_module).
 REVISIONS = {"emb_rref": [], "remote_module": ["--remote_module"]}
+PROFILED = "emb_rref"  # the run of the two that also writes --profile's traces
 
 
 @pytest.fixture(scope="module")
@@ -193,12 +201,21 @@ def spawn_all_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp")
     runs = {name: start_example("ddp_rpc_hybrid", "--epochs", 10, *flags, *TCP, "--master_port",
                                 find_free_port(), "--summary_json", tmp / f"{name}.json",
+                                *(("--profile", tmp / "trace") if name == PROFILED else ()),
                                 log_dir=tmp)
             for name, flags in REVISIONS.items()}
     finish_together(list(runs.values()), timeout=150)
     return {name: (run, json.loads((tmp / f"{name}.json").read_text())
                    if (tmp / f"{name}.json").exists() else None)
             for name, run in runs.items()}
+
+
+def test_the_profiled_timeline_shows_the_ps_embedding_bag(spawn_all_runs):
+    """--profile: a track per rank (the trainers, the master, the ps), and the ps's EmbeddingBag
+    looking up the bags of the trainers' steps."""
+    run, _ = spawn_all_runs[PROFILED]
+    check_timeline([run], run.log_dir / "trace", ["trainer0", "trainer1", "master", "ps"], "ps",
+                   {"aten::embedding_bag", "aten::_embedding_bag"})
 
 
 @pytest.fixture(params=REVISIONS)

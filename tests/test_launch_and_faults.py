@@ -104,6 +104,7 @@ GENERIC_BAD_INPUTS = [
     (["--rpc_timeout", "nan"], "greater than 0"),
     (["--world", "3"], "unrecognized arguments: --world 3"),  # no abbreviations
     (["--master_addr", "a..b"], "--master_addr a..b: no such host"),
+    (["--profile", str(Path(__file__))], "a file is there; give a folder"),
 ]
 BAD_INPUT_CASES = [(name, flags, text) for name in EXAMPLES
                    for flags, text in GENERIC_BAD_INPUTS + EXAMPLES[name].bad_inputs]
@@ -150,6 +151,34 @@ def test_bad_input_on_the_real_command_line(runs):
         assert run.returncode == 2 and run.stdout == "", example
         assert len(run.stderr.strip().splitlines()) == 1 and "must be at least" in run.stderr
         assert not run.leftovers(grace=0)
+
+
+def test_every_example_that_loops_marks_its_steps_for_profile():
+    """--profile's window counts the steps of the ranks that loop: every example but the
+    recipe's own (rpc_profiling profiles itself) calls profile_step() in its loops."""
+    for example in EXAMPLES:
+        sources = " ".join(path.read_text() for path in (ROOT / example).glob("*.py")
+                           if path.name != "launch.py")
+        assert ("launch.profile_step()" in sources) == (example != "rpc_profiling"), example
+        assert ("steps=lambda" in sources) == (example != "rpc_profiling"), example
+
+
+def test_the_merge_command_makes_the_timeline_of_a_folder_of_traces(tmp_path):
+    """`python launch.py FOLDER`, which a rank 0 that cannot read the others' traces names:
+    one timeline of the traces in the folder, a track per rank in rank order."""
+    for rank, name in ((1, "trainer_1"), (0, "parameter_server")):
+        (tmp_path / f"{name}.json").write_text(json.dumps({
+            "rank": rank, "rankName": name, "baseTimeNanoseconds": 10**9, "traceEvents": [
+                {"ph": "M", "name": "process_labels", "pid": 7 + rank, "args": {"labels": "CPU"}},
+                {"ph": "X", "name": "aten::mm", "pid": 7 + rank, "tid": 1, "ts": 5, "dur": 1}]}))
+    (tmp_path / "other.json").write_text("{}")  # not a trace of ours: left out
+    done = subprocess.run([sys.executable, ROOT / "param_server" / "launch.py", tmp_path],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "wrote the timeline of 2 ranks" in done.stdout
+    events = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    tracks = sorted((e["pid"], e["args"]["name"]) for e in events if e["name"] == "process_name")
+    assert [name for _, name in tracks] == ["parameter_server", "trainer_1"]
 
 
 # --------- Loopback only --------------------
@@ -588,13 +617,17 @@ STAND_INS = {"start": ("mp.spawn(", "mp.Process("), "init_rpc_with_timeout": ("r
 def test_every_stand_in_for_a_tutorial_call_names_it(path):
     """Beside every launch.py call that stands in for one of the tutorial's (on its line, or in
     the comment lines just above), a `# tutorial:` comment gives the tutorial's call; and main.py
-    calls nothing else of launch.py before its "Not in the tutorial" heading."""
+    calls nothing else of launch.py before its "Not in the tutorial" heading but
+    profile_step(), marked on its line as not in the tutorial."""
     lines = _code_and_comments(ROOT / path)
     heading = next((number for number, _, comment in lines
                     if comment.startswith("# --------- Not in the tutorial")), len(lines) + 1)
     seen = 0
     for number, code, comment in lines:
         for called in re.findall(r"\blaunch\.(\w+)\(", code):
+            if called == "profile_step":
+                assert comment.startswith("# not in the tutorial: --profile"), (path, number)
+                continue
             if called not in STAND_INS:
                 assert not path.endswith("/main.py") or number > heading, (path, number)
                 continue

@@ -6,7 +6,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed.rpc as rpc
-from conftest import find_free_port, finish_together, load_example, start_example, write_mnist
+from conftest import (
+    check_timeline,
+    find_free_port,
+    finish_together,
+    load_example,
+    start_example,
+    write_mnist,
+)
 from example_modules import example_modules
 
 ps = load_example("param_server")
@@ -224,7 +231,7 @@ def logged_losses(output, rank):
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """The spawn-all runs of this file, started together:
-    - two_trainers: every rank from one command, a server and two trainers at once;
+    - two_trainers: every rank from one command, a server and two trainers at once, profiled;
     - batch: the same with the batch-updating server (--batch)."""
     tmp = tmp_path_factory.mktemp("ps")
 
@@ -236,7 +243,7 @@ def finished(tmp_path_factory):
               "--log_interval", 20]
     started = {
         "two_trainers": [start(*common, "--master_port", find_free_port(),
-                               summary="two_trainers")],
+                               "--profile", tmp / "trace", summary="two_trainers")],
         "batch": [start(*common, "--batch", "--master_port", find_free_port(), summary="batch")],
     }
     finish_together([run for runs in started.values() for run in runs], timeout=240)
@@ -253,6 +260,14 @@ def two_trainers(finished):
 @pytest.fixture(scope="module")
 def batch_run(finished):
     return finished[0]["batch"][0], finished[1].get("batch")
+
+
+def test_the_profiled_timeline_shows_the_servers_convolutions(finished):
+    """--profile: a track per rank, and the parameter server running the model's forward and
+    backward for the trainers' steps (the tutorial's "the forward runs on the server")."""
+    run = finished[0]["two_trainers"][0]
+    check_timeline([run], run.log_dir / "trace", ["parameter_server", "trainer_1", "trainer_2"],
+                   "parameter_server", {"aten::conv2d", "aten::convolution"})
 
 
 def test_spawn_all_trains_two_trainers_concurrently(two_trainers):

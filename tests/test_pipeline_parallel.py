@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import find_free_port, load_example, run_example
+from conftest import check_timeline, find_free_port, load_example, run_example
 from example_modules import example_modules
 
 pipeline = load_example("pipeline_parallel")
@@ -104,8 +104,18 @@ def spawn_all(tmp_path_factory):
     """Every rank from one command, 2 micro-batches a batch."""
     summary = tmp_path_factory.mktemp("pipeline") / "summary.json"
     run = run_example("pipeline_parallel", *SMALL, "--num_split", 2, "--master_port",
-                      find_free_port(), "--summary_json", summary, timeout=180)
+                      find_free_port(), "--summary_json", summary,
+                      "--profile", summary.parent / "trace", timeout=180,
+                      log_dir=summary.parent)
     return run, json.loads(summary.read_text()) if summary.exists() else None
+
+
+def test_the_profiled_timeline_shows_both_shards_forward(spawn_all):
+    """--profile: a track per rank, and each shard's convolutions inside the master's steps."""
+    run, _ = spawn_all
+    for shard in ("worker1", "worker2"):
+        check_timeline([run], run.log_dir / "trace", ["master", "worker1", "worker2"], shard,
+                       {"aten::conv2d", "aten::convolution"})
 
 
 def test_spawn_all_runs_the_tutorials_loop(spawn_all):

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.rpc as rpc
-from conftest import TCP, find_free_port, finish_together, load_example, start_example
+from conftest import (
+    TCP,
+    check_timeline,
+    find_free_port,
+    finish_together,
+    load_example,
+    start_example,
+)
 from example_modules import example_modules
 from torch.distributions import Categorical
 
@@ -272,7 +279,7 @@ def episode_rewards(output):
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """The spawn-all runs of this file, started together:
-    - tutorial: the tutorial's agent and one observer;
+    - tutorial: the tutorial's agent and one observer, profiled;
     - batch: --batch with two observers."""
     tmp = tmp_path_factory.mktemp("rl")
 
@@ -283,7 +290,7 @@ def finished(tmp_path_factory):
 
     started = {
         "tutorial": [start("--max_episodes", EPISODES, "--master_port", find_free_port(),
-                           summary="tutorial")],
+                           "--profile", tmp / "trace", summary="tutorial")],
         "batch": [start("--world_size", 3, "--batch", "--max_episodes", BATCH_EPISODES,
                         "--master_port", find_free_port(), summary="batch")],
     }
@@ -291,6 +298,14 @@ def finished(tmp_path_factory):
     summaries = {name: json.loads((tmp / f"{name}.json").read_text())
                  for name in ("tutorial", "batch") if (tmp / f"{name}.json").exists()}
     return started, summaries
+
+
+def test_the_profiled_timeline_shows_the_observers_episodes(finished):
+    """--profile: a track per rank; the observer plays its episodes (env.step between its calls
+    to the agent) while the agent's steps, an episode each, are profiled."""
+    run = finished[0]["tutorial"][0]
+    check_timeline([run], run.log_dir / "trace", ["agent", "observer1"], "observer1",
+                   {"RPC Observer.run_episode"})
 
 
 def test_spawn_all_runs_the_tutorials_episodes(finished):

@@ -11,7 +11,7 @@ import socket
 import pytest
 import torch
 import torch.nn as nn
-from conftest import TCP, find_free_port, load_example, start_example
+from conftest import TCP, check_timeline, find_free_port, load_example, start_example
 
 rnn_main = load_example("rnn_model_parallel")
 rnn = load_example("rnn_model_parallel", "rnn")
@@ -206,7 +206,7 @@ def finished(tmp_path_factory):
     """The end-to-end runs of this file, started together and awaited (their iterations spend
     much of their time waiting for each other's messages, so two cores serve them at once):
     - spawn_all: every rank from one command, the synthetic task;
-    - by_rank: the same seed, each rank its own command, the trainer started first;
+    - by_rank: the same seed, each rank its own command, the trainer started first, profiled;
     - corpus: a small text, each rank its own command."""
     tmp = tmp_path_factory.mktemp("rnn")
     text = write_small_text(tmp / "small.txt")
@@ -219,9 +219,10 @@ def finished(tmp_path_factory):
     started = {
         "spawn_all": [start(*SYNTHETIC, 4, "--master_port", find_free_port(),
                             summary="spawn_all")],
-        "by_rank": [start(*SYNTHETIC, 2, "--master_port", by_rank_port, "--rank", 1),
+        "by_rank": [start(*SYNTHETIC, 2, "--master_port", by_rank_port, "--rank", 1,
+                          "--profile", tmp / "trace"),
                     start(*SYNTHETIC, 2, "--master_port", by_rank_port, "--rank", 0,
-                          summary="by_rank")],
+                          "--profile", tmp / "trace", summary="by_rank")],
         "corpus": [start("--corpus", text, *CORPUS_SIZES, "--master_port", corpus_port,
                          "--rank", 0, summary="corpus"),
                    start("--corpus", text, *CORPUS_SIZES, "--master_port", corpus_port,
@@ -259,6 +260,14 @@ def test_spawn_all_learned_the_synthetic_task(finished):
     assert losses[-1] < 0.6 * losses[0], losses
     assert summary["last_loss"] == summary["losses"]["trainer"][-1]
     assert summary["last_loss"] > rnn_data.best_synthetic_loss(10, 0.1)
+
+
+def test_the_profiled_timeline_of_two_terminals_shows_the_ps_embedding_lookup(finished):
+    """--profile with each rank its own command: each writes its trace, rank 0 (ps) merges
+    them; the ps looks up the embeddings (and decodes) for the trainer's steps."""
+    trainer, ps = finished[0]["by_rank"]
+    check_timeline([trainer, ps], ps.log_dir / "trace", ["ps", "trainer"], "ps",
+                   {"aten::embedding"})
 
 
 def test_ranks_as_separate_commands_give_the_same_losses_for_the_same_seed(finished):

@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT, find_free_port, load_example, run_example
 
 profiling = load_example("rpc_profiling")
-timeline = load_example("rpc_profiling", "timeline")
+launch = load_example("rpc_profiling", "launch")
 
 
 # --------- Pure logic, in-process --------------------
@@ -17,21 +17,22 @@ timeline = load_example("rpc_profiling", "timeline")
 def kineto_trace(base_s, pid, events):
     """A trace as torch.profiler writes it: metadata, its bookkeeping tracks, then events (name,
     ts in us after baseTimeNanoseconds, dur) of one CPU process and, at pid 0, of a GPU."""
-    return json.dumps({"baseTimeNanoseconds": base_s * 10**9, "traceEvents": [
+    return {"baseTimeNanoseconds": base_s * 10**9, "traceEvents": [
         {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": "python"}},
         {"ph": "M", "name": "process_labels", "pid": pid, "args": {"labels": "CPU"}},
         {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "GPU 0"}},
         {"ph": "X", "name": "PyTorch Profiler (0)", "pid": "Spans", "tid": 0, "ts": 0, "dur": 9},
         {"ph": "i", "name": "Record Window End", "pid": "", "tid": "", "ts": 9},
         *({"ph": "X", "name": name, "pid": event_pid, "tid": 7, "ts": ts, "dur": dur}
-          for name, event_pid, ts, dur in events)]})
+          for name, event_pid, ts, dur in events)]}
 
 
 def test_merge_names_a_track_per_rank_and_puts_every_event_on_one_clock():
     traces = {"worker0": kineto_trace(100, 4242, [("rpc_async#add", 4242, 1000.0, 50)]),
-              "worker1": kineto_trace(101, 777, [("aten::add", 777, 10.0, 5),
-                                                 ("kernel", 0, 12.0, 1)])}
-    merged = timeline.merge(traces, {"worker1": 2_000})  # worker1's clock 2 us ahead
+              "worker1": {**kineto_trace(101, 777, [("aten::add", 777, 10.0, 5),
+                                                    ("kernel", 0, 12.0, 1)]),
+                          "clockOffsetNs": 2_000}}  # worker1's clock 2 us ahead
+    merged = launch.merge(traces)
     names = {e["pid"]: e["args"]["name"] for e in merged["traceEvents"]
              if e["name"] == "process_name"}
     assert sorted(names.values()) == ["worker0", "worker1", "worker1: GPU 0"]
@@ -120,7 +121,7 @@ def test_the_callees_operators_fall_inside_the_callers_spans(profiled_run):
     span of that RPC (one machine, one clock), where the installed torch records TensorPipe's
     threads; where it cannot, the run says so."""
     run, folder = profiled_run
-    _, all_threads = timeline.profiler_options()
+    _, all_threads = launch.profiler_options()
     if not all_threads:
         assert "records the main thread only" in run.stdout
         pytest.skip("this torch's profiler records no thread but the main one (no "
@@ -152,7 +153,7 @@ def test_the_picture_of_a_stored_timeline(tmp_path):
                                                   ROOT / "bench" / "draw_timeline.py")
     draw = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(draw)
-    merged = timeline.merge({
+    merged = launch.merge({
         "worker0": kineto_trace(100, 4242, [("rpc_async#aten::add(worker0 -> worker1)", 4242,
                                              0.0, 1900), ("aten::set_", 4242, 1600.0, 10)]),
         "worker1": kineto_trace(100, 777, [("aten::add", 777, 1100.0, 40),
