@@ -69,13 +69,24 @@ run: $(VENV)/.run-installed
 bench: $(VENV)/.dev-installed
 	$(PY) bench/bench.py $(if $(QUICK),--quick) $(if $(SOLVE),--solve)
 
-# The READMEs' pictures of a profiled run's timeline (bench/draw_timeline.py), from a fresh run.
+# The READMEs' pictures of a profiled run's timeline (bench/draw_timeline.py), from fresh runs:
+# each example's step 4 (of its first looping rank), and the recipe's two RPCs.
+PICTURE = dir=$$(mktemp -d) && $(PY) $(1)/main.py $(2) --profile $$dir > $$dir/run.log && \
+	  $(PY) bench/draw_timeline.py $$dir/timeline.json $(1)/timeline.png $(3) && \
+	  grep -E "wrote|Wrote" $$dir/run.log && rm -r $$dir
 pictures: $(VENV)/.dev-installed
-	@dir=$$(mktemp -d) && $(PY) rpc_profiling/main.py --profile $$dir > $$dir/run.log && \
-	  $(PY) bench/draw_timeline.py $$dir/timeline.json rpc_profiling/timeline.png \
-	    --first "rpc_async#aten::add" --last "rpc_async#aten::mul" \
-	    --title "rpc_profiling: worker0's add and mul RPCs, and what worker1 ran for them" && \
-	  grep -E "^worker[01]: Wrote|^Wrote the timeline" $$dir/run.log && rm -r $$dir
+	@$(call PICTURE,param_server,--dataset synthetic --world_size 3 --max_batches 8,--step "step 4" \
+	  --title "param_server: trainer_1's step 4 (parameter_server runs the model for both trainers)")
+	@$(call PICTURE,rl_cartpole,--max_episodes 6,--step "step 4" \
+	  --title "rl_cartpole: the agent's episode 4 (observer1 plays it, calling the agent each step)")
+	@$(call PICTURE,rnn_model_parallel,--epochs 1,--step "step 4" \
+	  --title "rnn_model_parallel: the trainer's step 4 (the embedding and the decoder on ps)")
+	@$(call PICTURE,ddp_rpc_hybrid,--epochs 1,--step "step 4" \
+	  --title "ddp_rpc_hybrid: trainer0's step 4 (the EmbeddingBag on ps and the Linear under DDP)")
+	@$(call PICTURE,pipeline_parallel,--num_split 4 --batch_size 16 --num_batches 6,\
+	  --step "step 4" --title "pipeline_parallel: the master's step 4 (4 micro-batches)")
+	@$(call PICTURE,rpc_profiling,,--first "rpc_async#aten::add" --last "rpc_async#aten::mul" \
+	  --title "rpc_profiling: worker0's add and mul RPCs and what worker1 ran for them")
 
 clean:
 	rm -rf $(VENV) $(OLDEST) .pytest_cache .ruff_cache
