@@ -168,22 +168,44 @@ class Comparison:
         return next((variant for variant in self.variants if variant.label == label), None)
 
 
-def param_server_as_before(folder):
-    """A copy of param_server/ without this repository's fast path, for the "before" variants:
-    launch.py with glibc's default malloc behaviour (no keep_freed_memory()). Run it with
-    --rpc_transport auto for the RPC agent's default transports too. Returns its main.py."""
-    copy = Path(folder) / "param_server_before"
+def param_server_without(folder, name, module, line):
+    """A copy of param_server/ whose `module` lacks `line`, for a "before" variant. Returns its
+    main.py."""
+    copy = Path(folder) / name
     shutil.copytree(ROOT / "param_server", copy, ignore=shutil.ignore_patterns("__pycache__"))
-    launch = (copy / "launch.py").read_text()
-    call = "    keep_freed_memory()\n"
-    assert launch.count(call) == 1, "launch.py no longer calls keep_freed_memory()"
-    (copy / "launch.py").write_text(launch.replace(call, ""))
+    text = (copy / module).read_text()
+    assert text.count(line) == 1, f"param_server/{module} no longer has {line.strip()}"
+    (copy / module).write_text(text.replace(line, ""))
     return copy / "main.py"
+
+
+def param_server_as_before(folder):
+    """param_server/ without this repository's fast path: launch.py with glibc's default malloc
+    behaviour (no keep_freed_memory()). Run it with --rpc_transport auto for the RPC agent's
+    default transports too."""
+    return param_server_without(folder, "param_server_before", "launch.py",
+                                "    keep_freed_memory()\n")
+
+
+def param_server_before_profile(folder):
+    """param_server/ as it was before --profile: its loop without launch.profile_step(), which
+    is all that --profile adds to a run without it."""
+    return param_server_without(
+        folder, "param_server_before_profile", "main.py",
+        " " * 12 + "launch.profile_step()  # not in the tutorial: --profile's window (launch.py)\n")
+
+
+def ps_batches(quick):
+    return 30 if quick else 60
+
+
+PROFILED = "1 trainer, --profile (steps 3-5 of the trainer)"
+BEFORE_PROFILE = "1 trainer, before --profile (no profile_step() in the loop)"
 
 
 def comparisons(quick, folder):
     short = 0.5 if quick else 1.0
-    ps_batches, rl_episodes, rl_episodes_4 = round(60 * short), round(40 * short), round(25 * short)
+    rl_episodes, rl_episodes_4 = round(40 * short), round(25 * short)
     samples = lambda s: s["samples_per_second"]  # noqa: E731
     steps = lambda s: s["steps_per_second"]  # noqa: E731
     rnn_rate = lambda s: s["iterations"] / s["train_seconds"]  # noqa: E731
@@ -197,9 +219,12 @@ def comparisons(quick, folder):
     pp_batches = 5 if quick else 8
     pp_rate = lambda num_split: lambda s: 1 / s["splits"][str(num_split)]["seconds_per_batch"]  # noqa: E731
     pp_window = (r"^Processing batch 1$", r"^number of splits")
-    one_trainer = ("--world_size", 2, "--dataset", "synthetic", "--max_batches", ps_batches)
+    one_trainer = ("--world_size", 2, "--dataset", "synthetic",
+                   "--max_batches", ps_batches(quick))
     before = [PY, param_server_as_before(folder), "--master_port", "{port}", "--summary_json",
               "{summary}", "--data_dir", ROOT / "data", *one_trainer]
+    before_profile = [PY, param_server_before_profile(folder), "--master_port", "{port}",
+                      "--summary_json", "{summary}", "--data_dir", ROOT / "data", *one_trainer]
     all_comparisons = [
         Comparison("param_server", "param_server: training throughput", "samples/s", [
             Variant("one process"),
@@ -208,12 +233,15 @@ def comparisons(quick, folder):
                     [*before, "--rpc_transport", "auto"], samples, ps_window),
             Variant("1 trainer, before (TCP, freed memory returned)",
                     [*before, "--rpc_transport", "tcp"], samples, ps_window, detail=True),
+            Variant(PROFILED, example("param_server", *one_trainer, "--profile",
+                                      Path(folder) / "profile"), samples, ps_window),
+            Variant(BEFORE_PROFILE, before_profile, samples, ps_window),
             Variant("3 trainers",
                     example("param_server", "--world_size", 4, "--dataset", "synthetic",
-                            "--max_batches", ps_batches // 3), samples, ps_window),
+                            "--max_batches", ps_batches(quick) // 3), samples, ps_window),
             Variant("3 trainers, --batch",
                     example("param_server", "--world_size", 4, "--dataset", "synthetic",
-                            "--max_batches", ps_batches // 3, "--batch"), samples,
+                            "--max_batches", ps_batches(quick) // 3, "--batch"), samples,
                     (r"training batch 0 loss", r"^Training complete!")),
         ]),
         Comparison("rl_cartpole_1", "rl_cartpole, 1 observer: environment steps", "steps/s", [
@@ -422,6 +450,16 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
         + (" The latency-bound examples keep TensorPipe's default transports: over TCP, "
            f"rnn_model_parallel ran at {rnn_tcp.median / rnn_auto.median:.2f} times its speed "
            "with them." if rnn_tcp else ""),
+        "", "## --profile", "",
+        f"param_server, 1 trainer, {ps_batches(quick)} batches: with `--profile` "
+        f"{ps.find(PROFILED).median:.0f} samples/s, {ps.find(PROFILED).median / ps_now.median:.2f}"
+        " of the same run without it (the trainer's steps 3-5 and the server's calls until "
+        "then recorded, both traces written and their tables printed, inside the timed "
+        f"training). Without `--profile`, the run as it was before `--profile` existed (no "
+        f"`launch.profile_step()` in its loop) went at {ps.find(BEFORE_PROFILE).median:.0f}: "
+        f"{ps_now.median / ps.find(BEFORE_PROFILE).median:.2f} of it, the noise between two "
+        "runs of the same work; profiling off costs a function call that returns at once, a "
+        "step.",
         "", "## Where the time goes", "",
         f"CPU used while the example trained, in cores ({CORES:.2f}: all {CORES} cores of this "
         "machine busy all the time), by thread name, summed over the example's processes "

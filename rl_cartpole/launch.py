@@ -83,8 +83,12 @@ warnings.showwarning = _show_warning_unless_torchscript_optimizer
 
 
 def _interrupted(number, frame=None, who="", then=""):
-    """End this process on a signal, in one line."""
+    """End this process on a signal, in one line; a rank that is profiling (`who` names it)
+    first writes its trace."""
     sys.stdout.flush()
+    if who and _profiler is not None:
+        with contextlib.suppress(Exception):
+            _close(count=False)
     print(f"{who}interrupted{'' if number == signal.SIGINT else ' (SIGTERM)'}{then}",
           file=sys.stderr, flush=True)
     os._exit(128 + number)
@@ -309,7 +313,7 @@ def start(args, run_worker, worker_name, doing, heavy=None, steps=None):
     _exit_done()
 
 
-def _end_on_signals(name):
+def _end_on_signals(name, signals=(signal.SIGINT, signal.SIGTERM)):
     """Ctrl-C (SIGINT) or SIGTERM ends this process at once with one line, whatever it is doing.
     A Python signal handler runs only when the main thread returns to Python, which it may not
     do for the whole join or training (blocked in torch's C++ code); but every signal that has a
@@ -318,11 +322,11 @@ def _end_on_signals(name):
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     signal.set_wakeup_fd(write_end)
-    for number in (signal.SIGINT, signal.SIGTERM):
+    for number in signals:
         signal.signal(number, lambda number, frame: None)  # the thread below does the work
 
     def wait_for_a_signal():
-        while (number := os.read(read_end, 1)[0]) not in (signal.SIGINT, signal.SIGTERM):
+        while (number := os.read(read_end, 1)[0]) not in signals:
             pass  # another signal that has a Python handler
         _interrupted(number, who=f"{name}: ")
 
@@ -477,6 +481,8 @@ def _spawned_rank(rank, args, run_worker, worker_name, doing, looping, launcher_
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
         if os.getppid() != launcher_pid:  # the launcher was gone before prctl
             os._exit(1)
+    if getattr(args, "profile", None):  # stopped by the launcher: its trace first, then its line
+        _end_on_signals(worker_name(rank, args.world_size), (signal.SIGTERM,))
     run_rank(rank, args, run_worker, worker_name, doing, looping, spawned=True)
     _exit_done()
 
@@ -886,6 +892,7 @@ _profiler = None  # this rank's torch.profiler.profile while its window is open
 _span = None  # the record_function of the step under way
 _steps = 0
 _closed = False
+_closing = threading.Lock()  # _close() from the main thread, or from a thread that ends the rank
 _trace = {}  # what this rank's trace file says of the run: rank, name, run, clock
 
 
@@ -1004,20 +1011,22 @@ def _open():
     _profiler.start()
 
 
-def _close():
+def _close(count=True):
     """Stop this rank's profiler, write its trace with what the merge needs, say where and how
-    big, and print its top operators. A looping rank then counts itself closed in the store."""
+    big, and print its top operators. A looping rank then counts itself closed in the store
+    (unless not `count`: a rank that stops early, whose store may be gone)."""
     global _profiler, _closed
-    if _closed:
-        return
-    _closed = True
+    with _closing:
+        if _closed:
+            return
+        _closed = True
     if _profiler is not None:
         profiler, _profiler = _profiler, None
         profiler.stop()
-        path = Path(_args.profile) / f"{_name}.json"
-        profiler.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-        path.write_text(json.dumps({**trace, **_trace}))
+        path, part = Path(_args.profile) / f"{_name}.json", Path(_args.profile) / f".{_name}"
+        profiler.export_chrome_trace(str(part))
+        part.write_text(json.dumps({**json.loads(part.read_text()), **_trace}))
+        part.replace(path)  # whole or not at all, should the rank be killed meanwhile
         window = (f"steps {WARMUP_STEPS + 1}-{_steps}" if _loops else
                   "from its start until the looping ranks' windows closed")
         threads = ("" if profiler_options()[1] else
@@ -1030,7 +1039,7 @@ def _close():
     elif _loops:
         print(f"{_name}: --profile: the run ended after {_steps} step(s), before the window "
               f"(steps {WARMUP_STEPS + 1}-{WARMUP_STEPS + _args.profile_steps}); no trace")
-    if _loops:
+    if _loops and count:
         _store.add(f"{_KEYS}profile_closed", 1)
 
 
@@ -1139,7 +1148,11 @@ def _exit_done():
 
 def _exit(message, status=1):
     """Print one line and end the process now. os._exit, because RPC's own threads would keep a
-    normal exit waiting for peers that are gone."""
+    normal exit waiting for peers that are gone. A rank that is profiling first writes what
+    its profiler holds: a lost peer loses the run only that peer's trace."""
+    if _profiler is not None:
+        with contextlib.suppress(Exception):  # whatever the profiler says, the line comes next
+            _close(count=False)
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(status)

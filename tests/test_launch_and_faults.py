@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, _processes, example_command, find_free_port, load_example
+from conftest import (
+    ROOT,
+    _processes,
+    example_command,
+    find_free_port,
+    load_example,
+    profile_all_threads,
+)
 
 # How long the other ranks may take to exit after one is killed. Measured: about 1-2 s when
 # the machine is idle (a dead peer's connections close at once and the heartbeat runs every
@@ -322,6 +329,41 @@ def test_killed_rank_stops_every_other_rank(example, victim, mode, runs):
         for survivor in survivors:
             assert re.search(rf"lost contact with [^(]*\b{victim_name}\b", survivor.stderr), \
                 survivor.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["per-rank", "spawn-all"])
+def test_a_rank_killed_while_profiling_loses_only_its_own_trace(mode, runs, tmp_path):
+    """--profile with the windows open for the whole run: SIGKILL trainer_2, and the parameter
+    server and trainer_1, which end as above (lost peer, or stopped by the launcher), first
+    write what their profilers hold, whole (stopped by a signal: where this torch lets another
+    thread stop the profiler)."""
+    traces = tmp_path / "traces"
+    common = ["--dataset", "synthetic", "--epochs", 1000, "--world_size", 3, "--log_interval", 5,
+              "--profile", traces, "--profile_steps", 100000, "--master_port", find_free_port()]
+    windows_open = r"^Rank 2 training batch 5 "  # the trainers' windows open after 2 steps
+    if mode == "spawn-all":
+        launcher = runs.start("param_server", *common)
+        launcher.wait_for_output(windows_open, timeout=90)
+        survivors, victim_pid = [launcher], launcher.children()[2]
+    else:
+        processes = [runs.start("param_server", *common, "--rank", rank) for rank in range(3)]
+        _wait_any(processes, windows_open)
+        survivors, victim_pid = processes[:2], processes[2].proc.pid
+    os.kill(victim_pid, signal.SIGKILL)
+    for survivor in survivors:
+        survivor.wait(timeout=EXIT_BOUND_SECONDS + 30)
+        assert survivor.returncode != 0 and not survivor.leftovers()
+    if mode == "spawn-all" and not profile_all_threads():
+        assert not list(traces.glob("*.json"))
+        pytest.skip("the launcher stops the others with SIGTERM, taken by a thread of their own; "
+                    "this torch's profiler can be stopped only by the thread that started it")
+    for name in ("parameter_server", "trainer_1"):
+        path = traces / f"{name}.json"
+        assert path.exists(), "".join(survivor.output for survivor in survivors)
+        assert json.loads(path.read_text())["rankName"] == name
+    assert sorted(path.name for path in traces.iterdir()) == ["parameter_server.json",
+                                                              "trainer_1.json"]  # no parts
 
 
 @pytest.mark.slow
