@@ -455,10 +455,11 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
         f"{ps.find(PROFILED).median:.0f} samples/s, {ps.find(PROFILED).median / ps_now.median:.2f}"
         " of the same run without it (the trainer's steps 3-5 and the server's calls until "
         "then recorded, both traces written and their tables printed, inside the timed "
-        f"training). Without `--profile`, the run as it was before `--profile` existed (no "
-        f"`launch.profile_step()` in its loop) went at {ps.find(BEFORE_PROFILE).median:.0f}: "
-        f"{ps_now.median / ps.find(BEFORE_PROFILE).median:.2f} of it, the noise between two "
-        "runs of the same work; profiling off costs a function call that returns at once, a "
+        "training). Without `--profile`: the run as it was before `--profile` existed (no "
+        f"`launch.profile_step()` in its loop) went at {ps.find(BEFORE_PROFILE).median:.0f} "
+        f"samples/s, the run as it is at {ps_now.median:.0f}, "
+        f"{ps_now.median / ps.find(BEFORE_PROFILE).median:.2f} times that, within the spread "
+        "of either (min and max above): profiling off costs a call that returns at once, a "
         "step.",
         "", "## Where the time goes", "",
         f"CPU used while the example trained, in cores ({CORES:.2f}: all {CORES} cores of this "

@@ -941,15 +941,20 @@ def _run_function_in_a_span(python_udf, run=rpc.internal._run_function):
     """RPC's own _run_function, which runs every Python function a rank is called for, in a
     span that names the function: `RPC ParameterServer.forward`. The tutorials' helpers
     (_call_method, remote_method, an RRef's rpc_sync()) are named after the method they call."""
-    func, args = getattr(python_udf, "func", None), getattr(python_udf, "args", ())
-    if args and inspect.isfunction(args[0]):  # _call_method(method, rref, ...)
-        func = args[0]
-    elif getattr(func, "__name__", "") == "_local_invoke" and len(args) > 1:  # RRef helpers
-        return_type = type(args[0].local_value()).__name__
-        func = f"{return_type}.{args[1]}"
-    name = func if isinstance(func, str) else getattr(func, "__qualname__", "?")
-    with torch.profiler.record_function(f"RPC {name}"):
+    with torch.profiler.record_function(f"RPC {_served_name(python_udf)}"):
         return run(python_udf)
+
+
+def _served_name(python_udf):
+    func, args = getattr(python_udf, "func", None), getattr(python_udf, "args", ())
+    try:
+        if args and inspect.isfunction(args[0]):  # _call_method(method, rref, ...)
+            func = args[0]
+        elif getattr(func, "__name__", "") == "_local_invoke":  # an RRef's rpc_sync().method()
+            return f"{type(args[0].local_value()).__name__}.{args[1]}"
+    except Exception:  # noqa: BLE001 - a name is not worth failing the call for
+        pass
+    return getattr(func, "__qualname__", "?")
 
 
 def _profile_clock(rank):
