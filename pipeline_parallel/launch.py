@@ -29,7 +29,6 @@ import contextlib
 import ctypes
 import datetime
 import fcntl
-import inspect
 import io
 import ipaddress
 import json
@@ -86,9 +85,8 @@ def _interrupted(number, frame=None, who="", then=""):
     """End this process on a signal, in one line; a rank that is profiling (`who` names it)
     first writes its trace."""
     sys.stdout.flush()
-    if who and _profiler is not None:
-        with contextlib.suppress(Exception):
-            _close(count=False)
+    if who:
+        profiling.close_on_the_way_out()
     print(f"{who}interrupted{'' if number == signal.SIGINT else ' (SIGTERM)'}{then}",
           file=sys.stderr, flush=True)
     os._exit(128 + number)
@@ -102,11 +100,11 @@ if (Path(getattr(sys.modules["__main__"], "__file__", "")).parent == Path(__file
     for _number in (signal.SIGINT, signal.SIGTERM):
         signal.signal(_number, _interrupted)
 
+import profiling  # noqa: E402 - --profile, beside this file
 import torch  # noqa: E402 - after the settings above, which torch reads when imported
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.rpc as rpc  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from torch.autograd.profiler_util import EventList  # noqa: E402
 
 # When a function called through RPC raises, torch prints its traceback in the rank where it
 # ran, and hands the same error to the caller, which raises it (and, here, reports it). A rank
@@ -231,8 +229,8 @@ def add_launch_arguments(parser, world_size, min_world_size, roles, rpc_transpor
             help="profile every rank with torch.profiler: each writes DIR/<its name>.json and "
                  "rank 0 merges them into DIR/timeline.json, a track per rank, for "
                  "https://ui.perfetto.dev or chrome://tracing. The ranks that loop record "
-                 f"--profile_steps steps after {WARMUP_STEPS} warm-up steps; the others, from "
-                 "their start until those are done")
+                 f"--profile_steps steps after {profiling.WARMUP_STEPS} warm-up steps; the "
+                 "others, from their start until those are done")
         add("--profile_steps", "--profile-steps", type=int_at_least(1), default=3, metavar="N",
             help="how many steps of each looping rank --profile records")
 
@@ -271,7 +269,7 @@ def parse_args(parser, argv, min_world_size, per_rank=()):
                          f"({os.strerror(err.errno)}); if another run uses the port, choose "
                          f"another --master_port; if this run's rank 0 does, this rank is taken")
     if getattr(args, "profile_steps", None) and args.profile:
-        profile_folder(parser, args.profile)
+        profiling.check_folder(parser, args.profile)
     args.per_rank = sorted(PER_RANK_FLAGS.union(per_rank, {"torchrun", "per_rank"}))
     return args
 
@@ -288,6 +286,7 @@ _worker_name = None  # the example's worker_name(rank, world_size)
 _name = None  # this rank's name
 _doing = None  # the example's doing(rank, world_size): what the rank does, said once it joined
 _started = None  # when this rank started, for the summary's wall_seconds
+_looping = None  # the ranks whose loops call profile_step(), from start's `steps`
 
 
 def start(args, run_worker, worker_name, doing, heavy=None, steps=None):
@@ -756,7 +755,7 @@ def init_rpc_with_timeout(name, rank, world_size, num_worker_threads=16):
                                               num_worker_threads=num_worker_threads,
                                               rpc_timeout=_args.rpc_timeout,
                                               _transports=transports)
-    _profile_begin(rank)
+    profiling.begin(_args, rank, name, _looping)
     try:
         with _without_gloo_chatter():
             rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
@@ -765,7 +764,7 @@ def init_rpc_with_timeout(name, rank, world_size, num_worker_threads=16):
     print(f"{name}: joined; {_doing(rank, world_size)}")
     _watching.set()
     threading.Thread(target=_watch_peers, daemon=True).start()
-    _profile_clock(rank)
+    profiling.joined(_store, rank, _worker_name(0, world_size))
 
 
 def init_process_group_with_timeout(name, backend, rank, world_size):
@@ -785,6 +784,7 @@ def init_process_group_with_timeout(name, backend, rank, world_size):
 # --------- Working, and ending --------------------
 
 HEARTBEAT_SECONDS = 1.0
+profile_step = profiling.step  # main.py's loops call it once a step: --profile's window
 _watching = threading.Event()  # set once RPC is up: from then on a failure may be a lost peer
 _reports = {}  # peer name -> what it reported when it finished
 _reports_changed = threading.Condition()
@@ -829,16 +829,15 @@ def finish_and_shutdown(report=None):
             working = [peer for peer in peers if peer not in _reports]
             if not working:
                 break
-            _reports_changed.wait(0.05 if _waiting_for_the_window() else HEARTBEAT_SECONDS)
-        if _waiting_for_the_window() is False:
-            _close()
+            _reports_changed.wait(0.05 if profiling.waiting_for_the_window()
+                                  else HEARTBEAT_SECONDS)
+        if profiling.waiting_for_the_window() is False:
+            profiling.close()
         if time.monotonic() - beat >= HEARTBEAT_SECONDS:
             beat = time.monotonic()
             for peer in working:
                 rpc.rpc_sync(peer, _answer)  # raises if the peer is gone
-    if _profiling:
-        _span_end()
-        _close()  # each rank's trace is written before rank 0 passes the barrier below
+    profiling.close()  # each rank's trace is written before rank 0 passes the barrier below
     me = rpc.get_worker_info().id
     rpc.shutdown(timeout=_args.rpc_timeout)
     # rpc.shutdown() ends with a barrier in the store, which lives in rank 0's process: rank 0
@@ -848,8 +847,9 @@ def finish_and_shutdown(report=None):
     while me == 0 and left < _args.world_size - 1 and time.monotonic() < until:
         time.sleep(0.05)
         left = _store.add(f"{_KEYS}left", 0)
-    if _profiling and me == 0:
-        _write_timeline()
+    if me == 0:
+        profiling.write_timeline_of_every_rank(
+            [_worker_name(rank, _args.world_size) for rank in range(_args.world_size)])
     return dict(_reports)
 
 
@@ -872,264 +872,6 @@ def _unreachable(peers):
         except Exception:  # noqa: BLE001 - any error means no answer
             lost.append(peer)
     return lost
-
-
-# --------- --profile: every rank's trace, one timeline --------------------
-#
-# torch's profiler records the process it runs in: each rank profiles itself. The ranks whose
-# loop calls profile_step() (start's `steps`) record --profile_steps steps after WARMUP_STEPS,
-# each step a span named "step N"; the others, whose work is the calls those make, record from
-# their start until every looping rank's window has closed (a count in the store). Each rank
-# writes its trace before rpc.shutdown(), whose barrier rank 0 waits out: then it finds them
-# all, where the ranks share its folder, and merges them into one timeline.
-
-WARMUP_STEPS = 2
-TIMELINE = "timeline.json"
-_profiling = False  # --profile given, and the example marks its steps
-_looping = None  # the ranks that call profile_step(), from start's `steps`
-_loops = False  # whether this rank does
-_profiler = None  # this rank's torch.profiler.profile while its window is open
-_span = None  # the record_function of the step under way
-_steps = 0
-_closed = False
-_closing = threading.Lock()  # _close() from the main thread, or from a thread that ends the rank
-_trace = {}  # what this rank's trace file says of the run: rank, name, run, clock
-
-
-def profiler_options():
-    """torch.profiler.profile's arguments, and whether it records every thread of the process:
-    an RPC runs on one of TensorPipe's threads, which the profiler leaves out unless told
-    (profile_all_threads, pytorch/pytorch#143659; torch 2.4 lacks it)."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    try:
-        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-    except TypeError:  # an older torch: its constructor does not know the argument
-        return {"activities": activities}, False
-    return {"activities": activities, "experimental_config": config}, True
-
-
-def profile_folder(parser, folder):
-    """--profile's folder, made if missing; bad input ends the command with one line."""
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        parser.error(f"--profile {folder}: a file is there; give a folder")
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as err:
-        parser.error(f"--profile {folder}: cannot make that folder "
-                     f"({os.strerror(err.errno) if err.errno else err})")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        parser.error(f"--profile {folder}: cannot write in that folder")
-    return folder
-
-
-def _profile_begin(rank):
-    """Before init_rpc: name each call this rank serves over RPC in its trace, and ready the
-    profiler on the main thread (Kineto wants its first start there)."""
-    global _profiling, _loops
-    _profiling = bool(getattr(_args, "profile", None)) and _looping is not None
-    if not _profiling:
-        return
-    _loops = rank in _looping
-    rpc.internal._run_function = _run_function_in_a_span
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-        pass
-
-
-def _run_function_in_a_span(python_udf, run=rpc.internal._run_function):
-    """RPC's own _run_function, which runs every Python function a rank is called for, in a
-    span that names the function: `RPC ParameterServer.forward`. The tutorials' helpers
-    (_call_method, remote_method, an RRef's rpc_sync()) are named after the method they call."""
-    with torch.profiler.record_function(f"RPC {_served_name(python_udf)}"):
-        return run(python_udf)
-
-
-def _served_name(python_udf):
-    func, args = getattr(python_udf, "func", None), getattr(python_udf, "args", ())
-    try:
-        if args and inspect.isfunction(args[0]):  # _call_method(method, rref, ...)
-            func = args[0]
-        elif getattr(func, "__name__", "") == "_local_invoke":  # an RRef's rpc_sync().method()
-            return f"{type(args[0].local_value()).__name__}.{args[1]}"
-    except Exception:  # noqa: BLE001 - a name is not worth failing the call for
-        pass
-    return getattr(func, "__qualname__", "?")
-
-
-def _profile_clock(rank):
-    """After init_rpc: agree on the run's name and this rank's clock, and unless this rank
-    loops, start its profiler."""
-    if not _profiling:
-        return
-    offset, error = (0, 0) if rank == 0 else clock_offset(_worker_name(0, _args.world_size))
-    run = _store.compare_set(f"{_KEYS}profile_run", "", f"{os.getpid()}-{time.time_ns()}")
-    _trace.update(rank=rank, rankName=_name, run=run.decode(), clockOffsetNs=offset,
-                  clockErrorNs=error)
-    if error:
-        print(f"{_name}: this clock is {offset / 1e6:+.3f} ms from rank 0's (measured over RPC, "
-              f"within {error / 1e6:.3f} ms); the timeline moves this rank's events by that much")
-    if not _loops:
-        _open()
-
-
-def _clock():
-    return socket.gethostname(), time.time_ns()
-
-
-def clock_offset(other):
-    """How far this rank's clock is ahead of other's, in ns (0 on one machine: one clock), and
-    how far off that may be: half the best of five round trips."""
-    samples = []
-    for _ in range(5):
-        before = time.time_ns()
-        host, theirs = rpc.rpc_sync(other, _clock)
-        after = time.time_ns()
-        samples.append((after - before, (before + after) // 2 - theirs))
-    if host == socket.gethostname():
-        return 0, 0
-    round_trip, offset = min(samples)
-    return offset, max(1, round_trip // 2)
-
-
-def profile_step():
-    """One step of this rank's loop is done (the ranks that start's `steps` names call it):
-    --profile's window opens after WARMUP_STEPS and closes --profile_steps steps later."""
-    global _steps, _span
-    if not _profiling:
-        return
-    _span_end()
-    _steps += 1
-    if _steps == WARMUP_STEPS:
-        _open()
-    elif _steps == WARMUP_STEPS + _args.profile_steps:
-        _close()
-    if _profiler is not None:
-        _span = torch.profiler.record_function(f"step {_steps + 1}")
-        _span.__enter__()
-
-
-def _open():
-    global _profiler
-    options, _ = profiler_options()
-    _profiler = torch.profiler.profile(**options)
-    _profiler.start()
-
-
-def _close(count=True):
-    """Stop this rank's profiler, write its trace with what the merge needs, say where and how
-    big, and print its top operators. A looping rank then counts itself closed in the store
-    (unless not `count`: a rank that stops early, whose store may be gone)."""
-    global _profiler, _closed
-    with _closing:
-        if _closed:
-            return
-        _closed = True
-    if _profiler is not None:
-        profiler, _profiler = _profiler, None
-        profiler.stop()
-        path, part = Path(_args.profile) / f"{_name}.json", Path(_args.profile) / f".{_name}"
-        profiler.export_chrome_trace(str(part))
-        part.write_text(json.dumps({**json.loads(part.read_text()), **_trace}))
-        part.replace(path)  # whole or not at all, should the rank be killed meanwhile
-        window = (f"steps {WARMUP_STEPS + 1}-{_steps}" if _loops else
-                  "from its start until the looping ranks' windows closed")
-        threads = ("" if profiler_options()[1] else
-                   f"; torch {torch.__version__} records only the thread that started the "
-                   "profiler, not the threads where RPCs run")
-        print(f"{_name}: profiled {window}{threads}; wrote {path} "
-              f"({path.stat().st_size / 1024:.0f} kB). Top operators:\n" + EventList(
-                  [row for row in profiler.key_averages() if not row.key.startswith("step ")]
-              ).table(sort_by="self_cpu_time_total", row_limit=5))
-    elif _loops:
-        print(f"{_name}: --profile: the run ended after {_steps} step(s), before the window "
-              f"(steps {WARMUP_STEPS + 1}-{WARMUP_STEPS + _args.profile_steps}); no trace")
-    if _loops and count:
-        _store.add(f"{_KEYS}profile_closed", 1)
-
-
-def _waiting_for_the_window():
-    """For a rank that does not loop, while its profiler runs: True while some looping rank's
-    window is open, False once all have closed. None otherwise."""
-    if _loops or _profiler is None:
-        return None
-    return _store.add(f"{_KEYS}profile_closed", 0) < len(_looping)
-
-
-def _span_end():
-    global _span
-    if _span is not None:
-        _span.__exit__(None, None, None)
-        _span = None
-
-
-def _write_timeline():
-    """On rank 0, when every rank is done: merge the traces in --profile's folder into its
-    timeline, or say how, when some were written on other machines."""
-    folder = Path(_args.profile)
-    names = [_worker_name(rank, _args.world_size) for rank in range(_args.world_size)]
-    traces, missing = {}, []
-    for name in names:
-        path = folder / f"{name}.json"
-        trace = json.loads(path.read_text()) if path.exists() else {}
-        if trace.get("run") == _trace["run"]:
-            traces[name] = trace
-        else:
-            missing.append(name)
-    if missing:
-        print(f"{_name}: the traces of {', '.join(missing)} are not in {folder} here (written "
-              f"on their machines): put every rank's trace in one folder and run "
-              f"`python {Path(__file__).name} FOLDER` to merge them")
-        return
-    print(f"{_name}: {write_timeline(folder, traces)}")
-
-
-def write_timeline(folder, traces):
-    """Merge `traces` (a rank's name -> its trace, in rank order) into folder's timeline.json;
-    the line that says where and how big."""
-    path = Path(folder) / TIMELINE
-    path.write_text(json.dumps(merge(traces)))
-    return (f"wrote the timeline of {len(traces)} ranks to {path} "
-            f"({path.stat().st_size / 1024:.0f} kB): open it in https://ui.perfetto.dev")
-
-
-def merge(traces):
-    """One Chrome trace of every rank's: `traces` maps a rank's name to its trace, whose
-    clockOffsetNs says how far its clock is ahead of rank 0's (ranks on other machines; on one
-    machine every rank reads the same clock). Each rank's processes (its CPU threads, a GPU)
-    become tracks named after it, in rank order."""
-    base_ns = min(trace.get("baseTimeNanoseconds", 0) for trace in traces.values())
-    events = []
-    for index, (name, trace) in enumerate(traces.items()):
-        # the profiler writes times in microseconds after its baseTimeNanoseconds
-        shift_us = (trace.get("baseTimeNanoseconds", 0) - base_ns
-                    - trace.get("clockOffsetNs", 0)) / 1e3
-        meta = {(event.get("name"), event["pid"]): event["args"] for event in trace["traceEvents"]
-                if event.get("ph") == "M"}
-        tracks = {}  # the profiler's pid -> this timeline's: the process's own (CPU) first
-        for (kind, original), args in meta.items():
-            if kind == "process_labels" and args.get("labels") == "CPU":
-                tracks[original] = 1000 * index
-        for event in trace["traceEvents"]:
-            # Metadata is rewritten below; the profiler's own bookkeeping tracks ("Spans",
-            # "Traces", the window's end) have no int pid and say nothing about the work.
-            if event.get("ph") == "M" and event.get("name", "").startswith("process_"):
-                continue
-            if not isinstance(event.get("pid"), int):
-                continue
-            pid = tracks.setdefault(event["pid"], 1000 * index + 1 + len(tracks))
-            event = {**event, "pid": pid}
-            if "ts" in event:
-                event["ts"] = float(event["ts"]) + shift_us
-            events.append(event)
-        for original, pid in tracks.items():
-            label = meta.get(("process_name", original), {}).get("name", original)
-            title = name if pid == 1000 * index else f"{name}: {label}"
-            events.append({"ph": "M", "name": "process_name", "pid": pid,
-                           "args": {"name": title}})
-            events.append({"ph": "M", "name": "process_sort_index", "pid": pid,
-                           "args": {"sort_index": pid}})
-    return {"traceEvents": events, "displayTimeUnit": "ms", "baseTimeNanoseconds": base_ns}
 
 
 # --------- Failing, and the summary --------------------
@@ -1155,9 +897,7 @@ def _exit(message, status=1):
     """Print one line and end the process now. os._exit, because RPC's own threads would keep a
     normal exit waiting for peers that are gone. A rank that is profiling first writes what
     its profiler holds: a lost peer loses the run only that peer's trace."""
-    if _profiler is not None:
-        with contextlib.suppress(Exception):  # whatever the profiler says, the line comes next
-            _close(count=False)
+    profiling.close_on_the_way_out()
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(status)
@@ -1170,12 +910,3 @@ def write_summary(summary, line):
     print(f"Summary: {line}; {summary['wall_seconds']:.1f} s in all")
     if _args.summary_json:
         Path(_args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
-
-
-if __name__ == "__main__":  # python launch.py FOLDER: merge the traces that --profile wrote
-    if len(sys.argv) != 2 or not os.path.isdir(sys.argv[1]):
-        sys.exit("usage: python launch.py FOLDER (a folder with every rank's --profile trace)")
-    found = [json.loads(path.read_text()) for path in sorted(Path(sys.argv[1]).glob("*.json"))
-             if path.name != TIMELINE]
-    found = sorted((trace for trace in found if "rankName" in trace), key=lambda t: t["rank"])
-    print(write_timeline(sys.argv[1], {trace["rankName"]: trace for trace in found}))

@@ -2,7 +2,7 @@
 today's torch. worker0 sends worker1 two builtin operators and a user-defined function under the
 profiler, as the recipe does; the recipe's output, the callee's operators in the caller's table,
 no longer appears, so every rank then profiles itself and rank 0 merges the traces into one
-timeline (with launch.py's merge). README.md says what differs and why; launch.py starts the
+timeline (with profiling.py's merge). README.md says what differs and why; launch.py starts the
 ranks and bounds every wait. `python main.py`, or `--rank R` in each terminal."""
 
 import launch  # first: it quiets torch's C++ logs, which are set when torch loads
@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+import profiling
 import torch
 import torch.autograd.profiler as profiler
 import torch.distributed.rpc as rpc
@@ -87,8 +88,8 @@ def worker(rank, world_size, args):
 # it with finish_and_shutdown, so that worker0 can merge them even when the ranks run on
 # machines that share no folder.
 
-PROFILER_OPTIONS, ALL_THREADS = launch.profiler_options()
-profiling = threading.Event()  # set on a rank other than 0 while its profiler runs
+PROFILER_OPTIONS, ALL_THREADS = profiling.profiler_options()
+profiler_running = threading.Event()  # set on a rank other than 0 while its profiler runs
 stop_profiling = threading.Event()  # set by worker0 when it is done
 
 
@@ -103,7 +104,7 @@ def say_what_the_recipes_profiles_hold(prof, p, dst_worker_name):
 
 
 def wait_until_profiling(seconds):
-    if not profiling.wait(seconds):
+    if not profiler_running.wait(seconds):
         raise RuntimeError(f"{rpc.get_worker_info().name}'s profiler did not start")
 
 
@@ -132,12 +133,12 @@ def profile_every_rank(worker_name, dst_worker_name, t1, t2, world_size, args):
     for other in others:
         rpc.rpc_sync(other, stop)
     return {**finish_profile(prof, worker_name, args),
-            "clocks": {other: launch.clock_offset(other) for other in others}}
+            "clocks": {other: profiling.clock_offset(other) for other in others}}
 
 
 def profile_until_worker0_is_done(worker_name, args):
     with torch.profiler.profile(**PROFILER_OPTIONS) as prof:
-        profiling.set()
+        profiler_running.set()
         stop_profiling.wait(args.rpc_timeout)
     return finish_profile(prof, worker_name, args)
 
@@ -168,9 +169,9 @@ def write_timeline(args, profiled):
     traces = {name: {**json.loads(profiled[name]["trace"]),
                      "clockOffsetNs": -clocks.get(name, (0, 0))[0]}
               for name in sorted(profiled, key=rank_of)}
-    wrote = launch.write_timeline(args.profile, traces)
+    wrote = profiling.write_timeline(args.profile, traces)
     print(wrote[0].upper() + wrote[1:])
-    path = os.path.join(args.profile, launch.TIMELINE)
+    path = os.path.join(args.profile, profiling.TIMELINE)
     recipe = profiled["worker0"]["recipe"]
     on_worker1 = [event["name"] for event in traces["worker1"]["traceEvents"]
                   if event.get("ph") == "X" and event["name"].startswith("aten::")]
@@ -213,7 +214,7 @@ def parse_args(argv=None):
         help="folder for the traces: the recipe's trace.json, one per rank (worker0.json, ...) "
              "and worker0's timeline.json of them all; made if missing")
     args = launch.parse_args(parser, argv, min_world_size=2, per_rank=["profile"])
-    launch.profile_folder(parser, args.profile)
+    profiling.check_folder(parser, args.profile)
     return args
 
 

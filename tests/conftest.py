@@ -209,8 +209,8 @@ def run_example(example, *args, timeout=120, env=None, log_dir=None):
 # --------- --profile's timeline --------------------
 
 def profile_all_threads():
-    """Whether this torch's profiler records every thread (RPC's too), as launch.py asks it."""
-    return load_example("param_server", "launch").profiler_options()[1]
+    """Whether this torch's profiler records every thread (RPC's too), as profiling.py asks it."""
+    return load_example("param_server", "profiling").profiler_options()[1]
 
 
 def check_timeline(runs, folder, ranks, callee, operators):

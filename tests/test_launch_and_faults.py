@@ -171,7 +171,7 @@ def test_every_example_that_loops_marks_its_steps_for_profile():
 
 
 def test_the_merge_command_makes_the_timeline_of_a_folder_of_traces(tmp_path):
-    """`python launch.py FOLDER`, which a rank 0 that cannot read the others' traces names:
+    """`python profiling.py FOLDER`, which a rank 0 that cannot read the others' traces names:
     one timeline of the traces in the folder, a track per rank in rank order."""
     for rank, name in ((1, "trainer_1"), (0, "parameter_server")):
         (tmp_path / f"{name}.json").write_text(json.dumps({
@@ -179,7 +179,7 @@ def test_the_merge_command_makes_the_timeline_of_a_folder_of_traces(tmp_path):
                 {"ph": "M", "name": "process_labels", "pid": 7 + rank, "args": {"labels": "CPU"}},
                 {"ph": "X", "name": "aten::mm", "pid": 7 + rank, "tid": 1, "ts": 5, "dur": 1}]}))
     (tmp_path / "other.json").write_text("{}")  # not a trace of ours: left out
-    done = subprocess.run([sys.executable, ROOT / "param_server" / "launch.py", tmp_path],
+    done = subprocess.run([sys.executable, ROOT / "param_server" / "profiling.py", tmp_path],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "wrote the timeline of 2 ranks" in done.stdout
@@ -618,11 +618,12 @@ def test_main_py_within_its_line_budget(example):
     assert lines <= LINE_BUDGETS[example], (example, lines)
 
 
-def test_every_folder_has_the_same_launch_py():
-    """The harness is one file, copied into every example's folder so that each runs on its own;
-    the fault tests above lean on it being the same everywhere."""
-    copies = {example: (ROOT / example / "launch.py").read_bytes() for example in EXAMPLES}
-    assert len(set(copies.values())) == 1, "launch.py differs between the examples"
+@pytest.mark.parametrize("name", ["launch.py", "profiling.py"])
+def test_every_folder_has_the_same_launch_py(name):
+    """The harness is one file (and profiling.py beside it), copied into every example's folder
+    so that each runs on its own; the fault tests above lean on it being the same everywhere."""
+    copies = {example: (ROOT / example / name).read_bytes() for example in EXAMPLES}
+    assert len(set(copies.values())) == 1, f"{name} differs between the examples"
 
 
 def _code_and_comments(path):

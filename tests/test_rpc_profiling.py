@@ -8,8 +8,7 @@ import re
 import pytest
 from conftest import ROOT, find_free_port, load_example, run_example
 
-profiling = load_example("rpc_profiling")
-launch = load_example("rpc_profiling", "launch")
+profiling = load_example("rpc_profiling", "profiling")
 
 
 # --------- Pure logic, in-process --------------------
@@ -32,7 +31,7 @@ def test_merge_names_a_track_per_rank_and_puts_every_event_on_one_clock():
               "worker1": {**kineto_trace(101, 777, [("aten::add", 777, 10.0, 5),
                                                     ("kernel", 0, 12.0, 1)]),
                           "clockOffsetNs": 2_000}}  # worker1's clock 2 us ahead
-    merged = launch.merge(traces)
+    merged = profiling.merge(traces)
     names = {e["pid"]: e["args"]["name"] for e in merged["traceEvents"]
              if e["name"] == "process_name"}
     assert sorted(names.values()) == ["worker0", "worker1", "worker1: GPU 0"]
@@ -44,16 +43,6 @@ def test_merge_names_a_track_per_rank_and_puts_every_event_on_one_clock():
     assert work["rpc_async#add"]["ts"] == 1000.0
     assert merged["baseTimeNanoseconds"] == 100 * 10**9
     json.dumps(merged)  # a file Perfetto can read
-
-
-def test_a_file_where_the_folder_should_be_is_one_line_and_status_2(capsys, tmp_path):
-    (tmp_path / "taken").write_text("")
-    with pytest.raises(SystemExit) as exited:
-        profiling.parse_args(["--master_port", str(find_free_port()),
-                              "--profile", str(tmp_path / "taken")])
-    err = capsys.readouterr().err
-    assert exited.value.code == 2 and len(err.strip().splitlines()) == 1
-    assert "a file is there" in err
 
 
 # --------- A whole run --------------------
@@ -121,7 +110,7 @@ def test_the_callees_operators_fall_inside_the_callers_spans(profiled_run):
     span of that RPC (one machine, one clock), where the installed torch records TensorPipe's
     threads; where it cannot, the run says so."""
     run, folder = profiled_run
-    _, all_threads = launch.profiler_options()
+    _, all_threads = profiling.profiler_options()
     if not all_threads:
         assert "records the main thread only" in run.stdout
         pytest.skip("this torch's profiler records no thread but the main one (no "
@@ -153,7 +142,7 @@ def test_the_picture_of_a_stored_timeline(tmp_path):
                                                   ROOT / "bench" / "draw_timeline.py")
     draw = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(draw)
-    merged = launch.merge({
+    merged = profiling.merge({
         "worker0": kineto_trace(100, 4242, [("rpc_async#aten::add(worker0 -> worker1)", 4242,
                                              0.0, 1900), ("aten::set_", 4242, 1600.0, 10)]),
         "worker1": kineto_trace(100, 777, [("aten::add", 777, 1100.0, 40),
