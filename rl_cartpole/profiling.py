@@ -184,8 +184,9 @@ def waiting_for_the_window():
 
 def close(count=True):
     """Stop this rank's profiler, write its trace with what the merge needs, say where and how
-    big, and print its top operators. A looping rank then counts itself closed in the store
-    (unless not `count`: a rank that stops early, whose store may be gone)."""
+    big, and print its top operators. A looping rank then counts itself closed in the store.
+    count=False: a rank that stops early, whose store may be gone, and which has no time for the
+    table."""
     global _profiler, _closed
     if not _on:
         return
@@ -206,10 +207,11 @@ def close(count=True):
         threads = ("" if profiler_options()[1] else
                    f"; torch {torch.__version__} records only the thread that started the "
                    "profiler, not the threads where RPCs run")
-        print(f"{_name}: profiled {window}{threads}; wrote {path} "
-              f"({path.stat().st_size / 1024:.0f} kB). Top operators:\n" + EventList(
-                  [row for row in profiler.key_averages() if not row.key.startswith("step ")]
-              ).table(sort_by="self_cpu_time_total", row_limit=5))
+        wrote = f"{_name}: profiled {window}{threads}; wrote {path} " \
+                f"({path.stat().st_size / 1024:.0f} kB)"
+        print(wrote if not count else wrote + ". Top operators:\n" + EventList(
+            [row for row in profiler.key_averages() if not row.key.startswith("step ")]
+        ).table(sort_by="self_cpu_time_total", row_limit=5))
     elif _loops:
         print(f"{_name}: --profile: the run ended after {_steps} step(s), before the window "
               f"(steps {WARMUP_STEPS + 1}-{WARMUP_STEPS + _args.profile_steps}); no trace")
@@ -217,12 +219,24 @@ def close(count=True):
         _store.add(f"{_KEYS}closed", 1)
 
 
-def close_on_the_way_out():
-    """A rank that ends early (a lost peer, a signal) writes what its profiler holds: a rank that
-    dies loses the run only its own trace."""
-    if _profiler is not None:
-        with contextlib.suppress(Exception):  # whatever the profiler says, the rank's line next
-            close(count=False)
+def close_on_the_way_out(seconds=3.0):
+    """A rank that ends early (a lost peer, a signal) writes what its profiler holds, so that a
+    rank that dies loses the run only its own trace; but within `seconds`, as a rank that ends
+    must end (a long window's trace takes longer to write: then it is left out, and the rank
+    says so)."""
+    if _profiler is None:
+        return
+    writing = threading.Thread(target=_close_early, daemon=True)
+    writing.start()
+    writing.join(seconds)
+    if writing.is_alive():
+        print(f"{_name}: its trace was not written within {seconds:g} s, and is left out",
+              file=sys.stderr, flush=True)
+
+
+def _close_early():
+    with contextlib.suppress(Exception):  # whatever the profiler says, the rank's line comes next
+        close(count=False)
 
 
 # --------- One timeline --------------------

@@ -336,8 +336,8 @@ def test_killed_rank_stops_every_other_rank(example, victim, mode, runs):
 def test_a_rank_killed_while_profiling_loses_only_its_own_trace(mode, runs, tmp_path):
     """--profile with the windows open for the whole run: SIGKILL trainer_2, and the parameter
     server and trainer_1, which end as above (lost peer, or stopped by the launcher), first
-    write what their profilers hold, whole (stopped by a signal: where this torch lets another
-    thread stop the profiler)."""
+    write what their profilers hold, whole (where this torch lets another thread stop the
+    profiler)."""
     traces = tmp_path / "traces"
     common = ["--dataset", "synthetic", "--epochs", 1000, "--world_size", 3, "--log_interval", 5,
               "--profile", traces, "--profile_steps", 100000, "--master_port", find_free_port()]
@@ -354,10 +354,11 @@ def test_a_rank_killed_while_profiling_loses_only_its_own_trace(mode, runs, tmp_
     for survivor in survivors:
         survivor.wait(timeout=EXIT_BOUND_SECONDS + 30)
         assert survivor.returncode != 0 and not survivor.leftovers()
-    if mode == "spawn-all" and not profile_all_threads():
+    if not profile_all_threads():
         assert not list(traces.glob("*.json"))
-        pytest.skip("the launcher stops the others with SIGTERM, taken by a thread of their own; "
-                    "this torch's profiler can be stopped only by the thread that started it")
+        pytest.skip("a rank that stops early writes its trace from a thread of its own (bounded "
+                    "in time); this torch's profiler can be stopped only by the thread that "
+                    "started it")
     for name in ("parameter_server", "trainer_1"):
         path = traces / f"{name}.json"
         assert path.exists(), "".join(survivor.output for survivor in survivors)
