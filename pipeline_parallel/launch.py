@@ -825,14 +825,14 @@ def finish_and_shutdown(report=None):
         rpc.rpc_sync(peer, _report_finished, args=(_name, report))
     beat = time.monotonic()
     while True:
+        waiting = profiling.waiting_for_the_window()
+        if waiting is False:  # every looping rank's window has closed: this one's closes too
+            profiling.close()
         with _reports_changed:
             working = [peer for peer in peers if peer not in _reports]
             if not working:
                 break
-            _reports_changed.wait(0.05 if profiling.waiting_for_the_window()
-                                  else HEARTBEAT_SECONDS)
-        if profiling.waiting_for_the_window() is False:
-            profiling.close()
+            _reports_changed.wait(0.05 if waiting else HEARTBEAT_SECONDS)
         if time.monotonic() - beat >= HEARTBEAT_SECONDS:
             beat = time.monotonic()
             for peer in working:
