@@ -1,7 +1,9 @@
 # `make run`: every example end to end with small settings. `make test`: lint and tests.
-# Both create .venv on first use; a requirements file that changed is reinstalled (stamp files).
-# `make test-oldest`: the quick tests on the oldest versions requirements.txt allows, in
-# .venv-oldest (requirements-oldest.txt pins them).
+# Both create .venv on first use and install into it what requirements.txt lists and, editable,
+# this project (pyproject.toml): rpc_harness, the package every example imports. A requirements
+# file or pyproject.toml that changed is reinstalled (stamp files). `make test-oldest`: the quick
+# tests on the oldest versions requirements.txt allows, in .venv-oldest (requirements-oldest.txt
+# pins them).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -12,12 +14,12 @@ OLDEST := .venv-oldest
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.run-installed: requirements.txt | $(PY)
-	$(PY) -m pip install --quiet -r requirements.txt
+$(VENV)/.run-installed: requirements.txt pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -r requirements.txt -e .
 	touch $@
 
-$(VENV)/.dev-installed: requirements.txt requirements-dev.txt | $(PY)
-	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+$(VENV)/.dev-installed: requirements.txt requirements-dev.txt pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt -e .
 	touch $@
 
 test: $(VENV)/.dev-installed
@@ -31,26 +33,26 @@ test-quick: $(VENV)/.dev-installed
 $(OLDEST)/bin/python:
 	$(PYTHON) -m venv $(OLDEST)
 
-$(OLDEST)/.installed: requirements-oldest.txt requirements-dev.txt | $(OLDEST)/bin/python
-	$(OLDEST)/bin/python -m pip install --quiet -r requirements-oldest.txt -r requirements-dev.txt
+$(OLDEST)/.installed: requirements-oldest.txt requirements-dev.txt pyproject.toml | $(OLDEST)/bin/python
+	$(OLDEST)/bin/python -m pip install --quiet -r requirements-oldest.txt -r requirements-dev.txt -e .
 	touch $@
 
 test-oldest: $(OLDEST)/.installed
 	$(OLDEST)/bin/python -m pytest -m "not slow"
 
 # The parameter server trains on MNIST when it is in data/ or can be downloaded; otherwise
-# main.py exits 2 before starting anything, and the tour runs it on the synthetic digits.
+# main.py exits 2 before starting any rank, and the tour runs it on the synthetic digits.
 PS_TOUR := --epochs 1 --max_batches 60 --log_interval 20
 run: $(VENV)/.run-installed
 	@echo "== param_server: 1 parameter server, 3 trainers"
 	@$(PY) param_server/main.py --dataset mnist $(PS_TOUR) || { test $$? -eq 2 && \
 	  echo "== param_server: MNIST unavailable, using --dataset synthetic" && \
 	  $(PY) param_server/main.py --dataset synthetic $(PS_TOUR); }
-	@echo "== param_server --batch: the batch-updating server of the batch RPC tutorial, 3 trainers"
-	@$(PY) param_server/main.py --batch --dataset synthetic $(PS_TOUR)
-	@echo "== rl_cartpole: an agent and 1 observer, then 2 observers with batched actions"
+	@echo "== param_server/batch.py: the batch-updating server of the batch RPC tutorial, 3 trainers"
+	@$(PY) param_server/batch.py --dataset synthetic $(PS_TOUR)
+	@echo "== rl_cartpole: an agent and 1 observer, then batch.py: 2 observers, batched actions"
 	@$(PY) rl_cartpole/main.py --max_episodes 30 --log_interval 10
-	@$(PY) rl_cartpole/main.py --world_size 3 --batch --max_episodes 20 --log_interval 10
+	@$(PY) rl_cartpole/batch.py --world_size 3 --max_episodes 20 --log_interval 10
 	@echo "== rnn_model_parallel: embedding table and decoder on ps, LSTM on the trainer"
 	@$(PY) rnn_model_parallel/main.py --epochs 5
 	@echo "== rnn_model_parallel: the same model as a word-level language model on a text"
@@ -58,8 +60,10 @@ run: $(VENV)/.run-installed
 	  --nhid 64 --bptt 35 --batch_size 20 --epochs 5
 	@echo "== ddp_rpc_hybrid: 2 trainers under DDP, a master, an EmbeddingBag on ps"
 	@$(PY) ddp_rpc_hybrid/main.py --epochs 20
+	@echo "== ddp_rpc_hybrid/remote_module.py: the same, the tutorial's 2021 revision (RemoteModule)"
+	@$(PY) ddp_rpc_hybrid/remote_module.py --epochs 20
 	@echo "== pipeline_parallel: ResNet-50 in two shards, 1 and then 4 micro-batches a batch"
-	@$(PY) pipeline_parallel/main.py --num_split 1,4 --batch_size 16 --num_batches 10
+	@$(PY) pipeline_parallel/main.py --num_split 1 4 --batch_size 16 --num_batches 10
 	@echo "== rpc_profiling: the profiling recipe's RPCs, then both ranks profiled, one timeline in traces/"
 	@$(PY) rpc_profiling/main.py
 
@@ -75,16 +79,16 @@ PICTURE = dir=$$(mktemp -d) && $(PY) $(1)/main.py $(2) --profile $$dir > $$dir/r
 	  $(PY) bench/draw_timeline.py $$dir/timeline.json $(1)/timeline.png $(3) && \
 	  grep -E "wrote|Wrote" $$dir/run.log && rm -r $$dir
 pictures: $(VENV)/.dev-installed
-	@$(call PICTURE,param_server,--dataset synthetic --world_size 3 --max_batches 8,--step "step 4" \
+	@$(call PICTURE,param_server,--dataset synthetic --world_size 3 --max_batches 8,--step "ProfilerStep#3" \
 	  --title "param_server: trainer_1's step 4 (parameter_server runs the model for both trainers)")
-	@$(call PICTURE,rl_cartpole,--max_episodes 6,--step "step 4" \
+	@$(call PICTURE,rl_cartpole,--max_episodes 6,--step "ProfilerStep#3" \
 	  --title "rl_cartpole: the agent's episode 4 (observer1 plays it, calling the agent each step)")
-	@$(call PICTURE,rnn_model_parallel,--epochs 1,--step "step 4" \
+	@$(call PICTURE,rnn_model_parallel,--epochs 1,--step "ProfilerStep#3" \
 	  --title "rnn_model_parallel: the trainer's step 4 (the embedding and the decoder on ps)")
-	@$(call PICTURE,ddp_rpc_hybrid,--epochs 1,--step "step 4" \
+	@$(call PICTURE,ddp_rpc_hybrid,--epochs 1,--step "ProfilerStep#3" \
 	  --title "ddp_rpc_hybrid: trainer0's step 4 (the EmbeddingBag on ps and the Linear under DDP)")
 	@$(call PICTURE,pipeline_parallel,--num_split 4 --batch_size 16 --num_batches 6,\
-	  --step "step 4" --title "pipeline_parallel: the master's step 4 (4 micro-batches)")
+	  --step "ProfilerStep#3" --title "pipeline_parallel: the master's step 4 (4 micro-batches)")
 	@$(call PICTURE,rpc_profiling,,--first "rpc_async#aten::add" --last "rpc_async#aten::mul" \
 	  --title "rpc_profiling: worker0's add and mul RPCs and what worker1 ran for them")
 

@@ -2,13 +2,19 @@
 runnable. With N trainers (world size N + 2): ranks 0..N-1 are the trainers, rank N the master,
 rank N+1 the parameter server `ps`, which holds an nn.EmbeddingBag; each trainer looks up
 embeddings there through RPC and runs an nn.Linear replicated under DDP. README.md says what
-differs from the tutorial and why; launch.py starts the ranks and bounds every wait.
-`python main.py`, or `--rank R` in each terminal."""
+differs from the tutorial and why; rpc_harness starts the ranks and bounds every wait;
+remote_module.py runs the tutorial's 2021 revision. `python main.py`, or `--rank R` in each
+terminal."""
 
+import hashlib
 import random
 import time
 
-import launch  # before torch: it sets what torch reads when it is imported
+try:
+    import rpc_harness  # first: it sets what torch reads when it loads
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
+                     ".venv/bin/python (README.md)") from None
 
 # isort: split
 import torch
@@ -104,6 +110,7 @@ def _run_trainer(emb_rref, rank, args):
     for epoch in range(args.epochs):
         losses = []
         for indices, offsets, target in get_next_batch(rng, args.batches_per_epoch, device):
+            rpc_harness.profile_step()  # not in the tutorial: --profile's window
             # each iteration in a distributed autograd context of its own
             with dist_autograd.context() as context_id:
                 output = model(indices, offsets)
@@ -114,69 +121,75 @@ def _run_trainer(emb_rref, rank, args):
                 opt.step(context_id)
                 # No zero_grad: each iteration's context holds its own gradients.
             losses.append(loss.item())
-            launch.profile_step()  # not in the tutorial: --profile's window (launch.py)
         print("Training done for epoch {}".format(epoch))
         epoch_losses.append(sum(losses) / len(losses))
         print(f"trainer{rank}: epoch {epoch} loss {epoch_losses[-1]:.4f}")
-    return {"losses": epoch_losses, "train_seconds": time.perf_counter() - started,
-            "backend": dist.get_backend(),
-            "dense_weights": [param.detach().cpu() for param in model.parameters()]}
+    report_trainer(epoch_losses, time.perf_counter() - started, model.fc.parameters())
 
 
 def run_worker(rank, world_size, args):
     num_trainers = world_size - 2  # the tutorial's two trainers, master rank 2 and ps rank 3
 
+    rpc_backend_options = rpc_harness.options()
+
     if rank == num_trainers:
-        # tutorial: rpc.init_rpc("master", rank=rank, world_size=world_size, ...)
-        launch.init_rpc_with_timeout("master", rank=rank, world_size=world_size)
+        rpc.init_rpc(
+                "master",
+                rank=rank,
+                world_size=world_size,
+                rpc_backend_options=rpc_backend_options)
 
         # the embedding table, built on ps
         emb_rref = rpc.remote(
-            "ps",
-            torch.nn.EmbeddingBag,
-            args=(NUM_EMBEDDINGS, EMBEDDING_DIM),
-            kwargs={"mode": "sum"})
+                "ps",
+                torch.nn.EmbeddingBag,
+                args=(NUM_EMBEDDINGS, EMBEDDING_DIM),
+                kwargs={"mode": "sum"})
         table_before = rpc.rpc_sync("ps", _get_embedding_weights, args=(emb_rref,))
 
         # Run the training loop on trainers, each with its own rank (the tutorial passes the
-        # master's). timeout=0: training takes as long as it takes (launch.py bounds the rest).
+        # master's). timeout=0: training takes as long as it takes (the harness bounds the rest).
         futs = []
         for trainer_rank in range(num_trainers):
             trainer_name = "trainer{}".format(trainer_rank)
             fut = rpc.rpc_async(
-                trainer_name, _run_trainer, args=(emb_rref, trainer_rank, args), timeout=0)
+                    trainer_name, _run_trainer, args=(emb_rref, trainer_rank, args), timeout=0)
             futs.append(fut)
 
-        # wait until every trainer is done
-        results = {f"trainer{r}": fut.wait() for r, fut in enumerate(futs)}
-        table_after = rpc.rpc_sync("ps", _get_embedding_weights, args=(emb_rref,))
+        # Wait for all training to finish.
+        for fut in futs:
+            fut.wait()
+        report_table(table_before, rpc.rpc_sync("ps", _get_embedding_weights, args=(emb_rref,)))
     elif rank < num_trainers:
         # the trainers' own process group, for DDP
         backend, device = choose_backend_and_device(rank, num_trainers, torch.cuda.device_count())
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        # tutorial: dist.init_process_group(backend="gloo", rank=rank, world_size=2)
-        launch.init_process_group_with_timeout(
-            f"trainer{rank}", backend=backend, rank=rank, world_size=num_trainers)
+        dist.init_process_group(
+                backend=backend, rank=rank, world_size=num_trainers,
+                init_method=rpc_harness.INIT_METHOD)
 
-        # then RPC with everyone
+        # Initialize RPC.
         trainer_name = "trainer{}".format(rank)
-        # tutorial: rpc.init_rpc(trainer_name, rank=rank, world_size=world_size, ...)
-        launch.init_rpc_with_timeout(trainer_name, rank=rank, world_size=world_size)
+        rpc.init_rpc(
+                trainer_name,
+                rank=rank,
+                world_size=world_size,
+                rpc_backend_options=rpc_backend_options)
 
-        # the training loop arrives from the master, as an RPC
+        # Trainer just waits for RPCs from master.
     else:
         torch.manual_seed(args.seed)  # the table's initial weights
-        # tutorial: rpc.init_rpc("ps", rank=rank, world_size=world_size, ...)
-        launch.init_rpc_with_timeout("ps", rank=rank, world_size=world_size)
-        # ps only answers the calls of the master and the trainers
+        rpc.init_rpc(
+                "ps",
+                rank=rank,
+                world_size=world_size,
+                rpc_backend_options=rpc_backend_options)
+        # parameter server do nothing
+        pass
 
-    # block until every rank is done
-    launch.finish_and_shutdown()  # tutorial: rpc.shutdown()
-    if rank < num_trainers:
-        dist.destroy_process_group()
-    elif rank == num_trainers:
-        write_summary(args, results, table_before, table_after)
+    # block until all rpcs finish
+    rpc.shutdown()
 
 
 # --------- Not in the tutorial: devices, names, the summary, the command line -------------
@@ -200,60 +213,63 @@ def worker_name(rank, world_size):  # trainer0..trainer{N-1}, master, ps, for N 
     return "master" if rank == num_trainers else "ps"
 
 
-def doing(rank, world_size):  # what a rank does, said once it has joined
-    if rank < world_size - 2:
-        return "training the dense layer under DDP, once master starts the loop"
-    return "starting the training loop" if rank == world_size - 2 else "holding the table"
+def report_trainer(losses, seconds, dense_parameters):
+    """A trainer's figures, and its dense weights' digest, which DDP keeps the same on all."""
+    weights = b"".join(param.detach().cpu().numpy().tobytes() for param in dense_parameters)
+    rpc_harness.report(losses=losses, train_seconds=round(seconds, 3), backend=dist.get_backend(),
+                       dense_weights=hashlib.sha256(weights).hexdigest())
 
 
-def write_summary(args, results, table_before, table_after):  # and proof that both halves trained
-    first = next(iter(results.values()))
-    identical = all(torch.equal(mine, theirs) for result in results.values()
-                    for mine, theirs in zip(result["dense_weights"], first["dense_weights"],
-                                            strict=True))
-    change = (table_after - table_before).abs().max().item()
-    print(f"Dense layer weights identical on {', '.join(results)}: {'yes' if identical else 'NO'}")
+def report_table(before, after):  # the master's: how far the table on ps moved
+    rpc_harness.report(table_change=(after - before).abs().max().item())
+
+
+def write_summary(args, reports):  # and proof that both halves trained
+    change = reports.pop("master")["table_change"]
+    trainers = {name: report for name, report in reports.items() if name != "ps"}
+    first = next(iter(trainers.values()))
+    identical = len({report["dense_weights"] for report in trainers.values()}) == 1
+    print(f"Dense layer weights identical on {', '.join(trainers)}: {'yes' if identical else 'NO'}")
     print(f"Embedding table on ps changed: {'yes' if change > 0 else 'NO'} "
           f"(largest change {change:.4f})")
-    launch.write_summary(
-        {"example": "ddp_rpc_hybrid", "world_size": args.world_size, "trainers": len(results),
-         "remote_module": args.remote_module, "backend": first["backend"],
-         "iterations_per_trainer": dict.fromkeys(results, args.epochs * args.batches_per_epoch),
-         "first_loss": {name: round(r["losses"][0], 4) for name, r in results.items()},
-         "last_loss": {name: round(r["losses"][-1], 4) for name, r in results.items()},
-         "dense_weights_identical": identical, "embedding_table_changed": change > 0,
-         "embedding_table_max_change": round(change, 4),
-         "train_seconds": round(max(r["train_seconds"] for r in results.values()), 3)},
-        "loss " + ", ".join(f"{name} {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
-                            for name, r in results.items()))
+    return ({"example": "ddp_rpc_hybrid", "world_size": args.world_size, "trainers": len(trainers),
+             "remote_module": args.remote_module, "backend": first["backend"],
+             "iterations_per_trainer": dict.fromkeys(trainers,
+                                                     args.epochs * args.batches_per_epoch),
+             "first_loss": {name: round(r["losses"][0], 4) for name, r in trainers.items()},
+             "last_loss": {name: round(r["losses"][-1], 4) for name, r in trainers.items()},
+             "dense_weights_identical": identical, "embedding_table_changed": change > 0,
+             "embedding_table_max_change": round(change, 4),
+             "train_seconds": max(r["train_seconds"] for r in trainers.values())},
+            "loss " + ", ".join(f"{name} {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
+                                for name, r in trainers.items()))
 
 
-def parse_args(argv=None):
-    parser = launch.ArgumentParser(
+def parse_args(argv=None, revision="2020"):
+    parser = rpc_harness.ArgumentParser(
         description="DistributedDataParallel with distributed RPC: an nn.EmbeddingBag on the "
-                    "parameter server ps, an nn.Linear under DDP on the trainers, driven by the "
-                    "master. --init_timeout also bounds each of DDP's allreduces.")
+                    f"parameter server ps, an nn.Linear under DDP on the trainers, driven by the "
+                    f"master (the tutorial's {revision} revision).")
     # auto (shared memory): each iteration is a few tiny messages, latency-bound.
-    launch.add_launch_arguments(parser, world_size=4, min_world_size=3,
-                                roles="N-2 trainers (ranks 0 to N-3), the master (rank N-2) and "
-                                      "the parameter server ps (rank N-1)", rpc_transport="auto")
+    rpc_harness.add_arguments(parser, world_size=4, min_world_size=3,
+                              roles="N-2 trainers (ranks 0 to N-3), the master (rank N-2) and the "
+                                    "parameter server ps (rank N-1)", rpc_transport="auto")
     add = parser.add_argument
-    add("--epochs", type=launch.int_at_least(1), default=100, metavar="N", help="epochs a trainer")
-    add("--batches_per_epoch", "--batches-per-epoch", type=launch.int_at_least(1), default=10,
-        metavar="N", help="batches in each epoch")
-    add("--remote_module", "--remote-module", action="store_true",
-        help="the tutorial's 2021 revision: the table as a RemoteModule (remote_module.py)")
-    return launch.parse_args(parser, argv, min_world_size=3)
+    add("--epochs", type=rpc_harness.int_at_least(1), default=100, metavar="N",
+        help="epochs a trainer")
+    add("--batches_per_epoch", "--batches-per-epoch", type=rpc_harness.int_at_least(1),
+        default=10, metavar="N", help="batches in each epoch")
+    # heavy: none, a model this small gains nothing from threads; loops: the trainers'
+    args = rpc_harness.parse_args(parser, argv, worker_name, heavy=lambda *_: False,
+                                  loops=lambda rank, n: rank < n - 2, summary=write_summary)
+    args.remote_module = revision == "2021"
+    return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.remote_module:
-        import remote_module  # the 2021 revision; it imports from here
-    # heavy: the ranks that get the cores' threads; a model this small gains nothing from them.
     # tutorial: mp.spawn(run_worker, args=(world_size, ), nprocs=world_size, join=True)
-    launch.start(args, remote_module.run_worker if args.remote_module else run_worker,
-                 worker_name, doing, heavy=lambda *_: False, steps=lambda rank, n: rank < n - 2)
+    rpc_harness.spawn(run_worker, args=(args.world_size, args), nprocs=args.world_size, join=True)
 
 
 if __name__ == "__main__":

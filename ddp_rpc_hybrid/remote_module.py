@@ -1,15 +1,24 @@
-"""`--remote_module`: the 2021 revision of the tutorial (pytorch/tutorials#1513, the code of
+"""The 2021 revision of the tutorial (pytorch/tutorials#1513, the code of
 pytorch/examples#908), which the tutorial's page shows today. The table on ps becomes a
 torch.distributed.nn.RemoteModule: `RemoteModule("ps", ...)` creates it there, its `forward`
 runs there, and `remote_parameters()` gives the RRefs that DistributedOptimizer needs, in place
 of main.py's `emb_rref`, `emb_rref.rpc_sync().forward` and `_retrieve_embedding_parameters`.
 Everything else is main.py's: the batches, devices, seeds, log lines, and the trainers and ps,
 which do the same in both revisions. README.md shows the two side by side.
+
+    python remote_module.py                         # 2 trainers, the master, ps
 """
 
 import random
 import time
 
+try:
+    import rpc_harness  # first: it sets what torch reads when it loads
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
+                     ".venv/bin/python (README.md)") from None
+
+# isort: split
 import torch
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
@@ -20,16 +29,15 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import launch
-
-# main.py's (imported as a module: its `if __name__ == "__main__"` part does not run)
 from main import (
     EMBEDDING_DIM,
     NUM_EMBEDDINGS,
     _get_embedding_weights,
     choose_backend_and_device,
     get_next_batch,
-    write_summary,
+    parse_args,
+    report_table,
+    report_trainer,
 )
 from main import run_worker as run_trainer_or_ps
 
@@ -80,19 +88,17 @@ def _run_trainer(remote_emb_module, rank, args):
     for epoch in range(args.epochs):
         losses = []
         for indices, offsets, target in get_next_batch(rng, args.batches_per_epoch, device):
+            rpc_harness.profile_step()  # not in the tutorial: --profile's window
             with dist_autograd.context() as context_id:
                 output = model(indices, offsets)
                 loss = criterion(output, target)
                 dist_autograd.backward(context_id, [loss])
                 opt.step(context_id)
             losses.append(loss.item())
-            launch.profile_step()  # not in the tutorial: --profile's window (launch.py)
         print("Training done for epoch {}".format(epoch))
         epoch_losses.append(sum(losses) / len(losses))
         print(f"trainer{rank}: epoch {epoch} loss {epoch_losses[-1]:.4f}")
-    return {"losses": epoch_losses, "train_seconds": time.perf_counter() - started,
-            "backend": dist.get_backend(),
-            "dense_weights": [param.detach().cpu() for param in model.fc.parameters()]}
+    report_trainer(epoch_losses, time.perf_counter() - started, model.fc.parameters())
 
 
 def run_worker(rank, world_size, args):
@@ -100,8 +106,11 @@ def run_worker(rank, world_size, args):
     if rank != num_trainers:
         return run_trainer_or_ps(rank, world_size, args)  # the same in both revisions
 
-    # tutorial: rpc.init_rpc("master", rank=rank, world_size=world_size, ...)
-    launch.init_rpc_with_timeout("master", rank=rank, world_size=world_size)
+    rpc.init_rpc(
+        "master",
+        rank=rank,
+        world_size=world_size,
+        rpc_backend_options=rpc_harness.options())
 
     remote_emb_module = RemoteModule(
         "ps",
@@ -121,9 +130,19 @@ def run_worker(rank, world_size, args):
         futs.append(fut)
 
     # Wait for all training to finish.
-    results = {f"trainer{r}": fut.wait() for r, fut in enumerate(futs)}
-    table_after = rpc.rpc_sync("ps", _get_embedding_weights, args=(table,))
+    for fut in futs:
+        fut.wait()
+    report_table(table_before, rpc.rpc_sync("ps", _get_embedding_weights, args=(table,)))
 
     # block until all rpcs finish
-    launch.finish_and_shutdown()  # tutorial: rpc.shutdown()
-    write_summary(args, results, table_before, table_after)
+    rpc.shutdown()
+
+
+def main(argv=None):
+    args = parse_args(argv, revision="2021")
+    # tutorial: mp.spawn(run_worker, args=(world_size, ), nprocs=world_size, join=True)
+    rpc_harness.spawn(run_worker, args=(args.world_size, args), nprocs=args.world_size, join=True)
+
+
+if __name__ == "__main__":
+    main()

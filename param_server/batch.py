@@ -1,5 +1,5 @@
-"""`--batch`: the batch-updating parameter server of the tutorial "Implementing Batch RPC
-Processing Using Asynchronous Executions", training main.py's Net on the same data.
+"""The batch-updating parameter server of the tutorial "Implementing Batch RPC Processing Using
+Asynchronous Executions", runnable, training main.py's Net on the same data.
 
 Synchronous, where main.py's server is not: every trainer trains a copy of the model fetched
 from the server and sends its gradients with update_and_fetch_model, an
@@ -7,6 +7,8 @@ from the server and sends its gradients with update_and_fetch_model, an
 freeing its RPC thread; once batch_update_size gradients are in, the server averages them, takes
 one optimizer step and completes the future, which answers every waiting trainer with the new
 model. README.md compares the two ways.
+
+    python batch.py --dataset synthetic             # a server and 3 trainers
 """
 
 import copy
@@ -16,17 +18,21 @@ import threading
 import time
 from datetime import datetime
 
+try:
+    import rpc_harness  # first: it sets what torch reads when it loads
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
+                     ".venv/bin/python (README.md)") from None
+
+# isort: split
 import torch
 import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 from torch import optim
 
-import launch
 from data import get_data_loaders
-
-# main.py's classes and summary (imported as a module: its `if __name__ == "__main__"` part
-# does not run).
 from main import Net, get_accuracy
+from main import parse_args as main_parse_args
 from main import write_summary as write_tutorial_summary
 
 
@@ -129,6 +135,7 @@ class Trainer:
         print(f"{name} trains its copy of the model on {self.device}")
         started = time.perf_counter()
         for i, (inputs, labels) in enumerate(self.get_next_batch()):
+            rpc_harness.profile_step()  # not in the tutorial: --profile's window
             log = i % self.args.log_interval == 0
             if log:
                 timed_log(f"{name} processing one batch")
@@ -144,19 +151,20 @@ class Trainer:
             ).to(self.device)
             if log:
                 timed_log(f"{name} got updated model")
-            launch.profile_step()  # not in the tutorial: --profile's window (launch.py)
         train_seconds = time.perf_counter() - started
         self.ps_rref.rpc_sync().trainer_done()
         print("Training complete!")
         print("Getting accuracy....")
+        get_accuracy(self.test_loader, m.cpu())
+        # not in the tutorial: the summary's figures, and the final weights, to compare
         weights = b"".join(p.detach().cpu().numpy().tobytes() for p in m.parameters())
-        return {"accuracy": get_accuracy(self.test_loader, m.cpu()), "batches": i + 1,
-                "train_seconds": train_seconds, "weights": hashlib.sha256(weights).hexdigest()}
+        rpc_harness.report(batches=i + 1, train_seconds=round(train_seconds, 3),
+                           weights=hashlib.sha256(weights).hexdigest())
 
 
 def run_trainer(ps_rref):
     trainer = Trainer(ps_rref)
-    return trainer.train()
+    trainer.train()
 
 
 def run_ps(trainers, args):
@@ -169,41 +177,42 @@ def run_ps(trainers, args):
             rpc.rpc_async(trainer, run_trainer, args=(ps_rref,), timeout=0)
         )
 
-    reports = dict(zip(trainers, torch.futures.wait_all(futs), strict=True))
+    torch.futures.wait_all(futs)
     timed_log("Finish training")
-    return ps, reports
+    rpc_harness.report(batch_update_size=ps.batch_update_size, model_versions=ps.versions,
+                       gradients=ps.gradients, short_updates=ps.short_updates)
 
 
 def run(rank, world_size, args):
     global trainer_data
+    options = rpc_harness.options()  # the tutorial's rpc_timeout=0 (none): the harness's bound
     if rank != 0:
         train_loader, test_loader = get_data_loaders(rank, world_size, args)
         args.batches = equal_share_batches(train_loader, world_size - 1, args)
         trainer_data = (train_loader, test_loader, args)
-        # tutorial: rpc.init_rpc(f"trainer{rank}", rank=rank, world_size=world_size, ...)
-        launch.init_rpc_with_timeout(f"trainer{rank}", rank=rank, world_size=world_size)
+        rpc.init_rpc(
+            f"trainer{rank}",
+            rank=rank,
+            world_size=world_size,
+            rpc_backend_options=options
+        )
         # trainer passively waiting for ps to kick off training iterations
     else:
         torch.manual_seed(args.seed)  # the initial model, as main.py's server
-        # tutorial: rpc.init_rpc("ps", rank=rank, world_size=world_size, ...)
-        launch.init_rpc_with_timeout("ps", rank=rank, world_size=world_size)
-        ps, reports = run_ps([f"trainer{r}" for r in range(1, world_size)], args)
+        rpc.init_rpc(
+            "ps",
+            rank=rank,
+            world_size=world_size,
+            rpc_backend_options=options
+        )
+        run_ps([f"trainer{r}" for r in range(1, world_size)], args)
 
     # block until all rpcs finish
-    launch.finish_and_shutdown()  # tutorial: rpc.shutdown()
-    if rank == 0:
-        write_summary(args, ps, reports)
+    rpc.shutdown()
 
 
 def worker_name(rank, world_size):
     return "ps" if rank == 0 else f"trainer{rank}"
-
-
-def doing(rank, world_size):
-    """What each rank does, said when it has joined."""
-    if rank == 0:
-        return f"averaging the gradients of {world_size - 1} trainer(s) into the model"
-    return "training copies of the model from ps"
 
 
 def equal_share_batches(train_loader, num_trainers, args):
@@ -213,13 +222,29 @@ def equal_share_batches(train_loader, num_trainers, args):
     return min(-(-smallest_share // args.batch_size), args.max_batches or smallest_share)
 
 
-def write_summary(args, ps, reports):
+def write_summary(args, reports):
     """main.py's summary, with what the batch-updating server counted."""
+    ps = reports.pop("ps")
     identical = len({r["weights"] for r in reports.values()}) == 1
-    write_tutorial_summary(
-        args, reports, "batch",
-        {"batch_update_size": ps.batch_update_size, "model_versions": ps.versions,
-         "gradients": ps.gradients, "short_updates": ps.short_updates,
-         "identical_final_weights": identical},
-        f", {ps.versions} model versions of {ps.batch_update_size} gradients, final weights "
-        f"{'identical' if identical else 'DIFFERENT'}")
+    return write_tutorial_summary(
+        args, reports, "batch", {**ps, "identical_final_weights": identical},
+        f", {ps['model_versions']} model versions of {ps['batch_update_size']} gradients, final "
+        f"weights {'identical' if identical else 'DIFFERENT'}")
+
+
+def parse_args(argv=None):
+    # heavy (sharing the cores): the trainers, which train; loops: theirs
+    return main_parse_args(argv, "The batch RPC tutorial's parameter server: synchronous steps, "
+                           "each on the gradients of --batch_update_size trainers.",
+                           dict(names=worker_name, heavy=lambda rank, _: rank != 0,
+                                loops=lambda rank, _: rank != 0, summary=write_summary))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # tutorial: mp.spawn(run, args=(world_size, ), nprocs=world_size, join=True)
+    rpc_harness.spawn(run, args=(args.world_size, args), nprocs=args.world_size, join=True)
+
+
+if __name__ == "__main__":
+    main()

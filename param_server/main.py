@@ -2,7 +2,8 @@
 
 Rank 0 is the parameter server, which holds the model; ranks 1.. are trainers, which reach it
 through RPC, distributed autograd and DistributedOptimizer. README.md says what differs from the
-tutorial and why; launch.py starts the ranks and bounds every wait; data.py holds the data.
+tutorial and why; rpc_harness starts the ranks and bounds every wait; data.py holds the data;
+batch.py runs the batch-updating parameter server of the batch RPC tutorial.
 
     python main.py --dataset synthetic                      # every rank on this machine
     python main.py --world_size 2 --rank 1                  # one rank per terminal
@@ -12,7 +13,11 @@ import time
 from pathlib import Path
 from threading import Lock
 
-import launch  # before torch: it sets what torch reads when it is imported
+try:
+    import rpc_harness  # first: it sets what torch reads when it loads
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
+                     ".venv/bin/python (README.md)") from None
 
 # isort: split
 import torch
@@ -132,18 +137,19 @@ def get_parameter_server(num_gpus=0):
 
 
 def run_parameter_server(rank, world_size, args):
-    # The server only hosts the model and answers the trainers. It builds the model now, from
-    # its own --num_gpus, before any trainer asks for it.
+    # The parameter server just acts as a host for the model and responds to
+    # requests from trainers. It builds the model now, from its own --num_gpus.
     torch.manual_seed(args.seed)
     get_parameter_server(num_gpus=args.num_gpus)
+    # rpc.shutdown() will wait for all workers to complete by default, which
+    # in this case means that the parameter server will wait for all trainers
+    # to complete, and then exit.
     print("PS master initializing RPC")
-    # tutorial: rpc.init_rpc(name="parameter_server", rank=rank, world_size=world_size)
-    launch.init_rpc_with_timeout("parameter_server", rank=rank, world_size=world_size)
+    rpc.init_rpc(name="parameter_server", rank=rank, world_size=world_size,
+                 rpc_backend_options=rpc_harness.options())
     print("RPC initialized! Running parameter server...")
-    # Waits for every trainer to be done (and notices one that dies), then rpc.shutdown().
-    reports = launch.finish_and_shutdown()  # tutorial: rpc.shutdown()
+    rpc.shutdown()
     print("RPC shutdown on parameter server.")
-    write_summary(args, reports)
 
 
 # --------- Trainers --------------------
@@ -170,7 +176,8 @@ class TrainerNet(nn.Module):
 
 
 def run_training_loop(rank, num_gpus, train_loader, test_loader, args):
-    # The usual forward, backward and optimizer step, each reaching the server.
+    # Runs the typical neural network forward + backward + optimizer step, but
+    # in a distributed fashion.
     net = TrainerNet(num_gpus=num_gpus)
     # Build DistributedOptimizer.
     param_rrefs = net.get_global_param_rrefs()
@@ -180,6 +187,7 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, args):
         for i, (data, target) in enumerate(train_loader):
             if i == args.max_batches:
                 break
+            rpc_harness.profile_step()  # not in the tutorial: --profile's window
             with dist_autograd.context() as cid:
                 model_output = net(data)
                 target = target.to(model_output.device)
@@ -195,14 +203,11 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, args):
                         net.param_server_rref,
                         cid) != []
                 opt.step(cid)
-            launch.profile_step()  # not in the tutorial: --profile's window (launch.py)
-    train_seconds = time.perf_counter() - started
+    report_training(train_loader, time.perf_counter() - started, args)
 
     print("Training complete!")
     print("Getting accuracy....")
-    accuracy = get_accuracy(test_loader, net)
-    return {"accuracy": accuracy, "train_seconds": train_seconds,
-            "batches": args.epochs * min(len(train_loader), args.max_batches or len(train_loader))}
+    get_accuracy(test_loader, net)
 
 
 def get_accuracy(test_loader, model):
@@ -217,36 +222,32 @@ def get_accuracy(test_loader, model):
             correct_sum += correct
 
     print(f"Accuracy {correct_sum / len(test_loader.dataset)}")
-    return correct_sum / len(test_loader.dataset)
+    rpc_harness.report(accuracy=correct_sum / len(test_loader.dataset))  # not in the tutorial
 
 
 # Main loop for trainers.
 def run_worker(rank, world_size, num_gpus, train_loader, test_loader, args):
     print(f"Worker rank {rank} initializing RPC")
-    # tutorial: rpc.init_rpc(name=f"trainer_{rank}", rank=rank, world_size=world_size)
-    launch.init_rpc_with_timeout(
+    rpc.init_rpc(
         name=f"trainer_{rank}",
         rank=rank,
-        world_size=world_size)
+        world_size=world_size,
+        rpc_backend_options=rpc_harness.options())
 
     print(f"Worker {rank} done initializing RPC")
 
-    report = run_training_loop(rank, num_gpus, train_loader, test_loader, args)
-    launch.finish_and_shutdown(report)  # tutorial: rpc.shutdown()
+    run_training_loop(rank, num_gpus, train_loader, test_loader, args)
+    rpc.shutdown()
 
 
-# --------- Launching --------------------
-
-# This rank's part of the tutorial's __main__, which starts it in a process of its own
-# (launch.start starts this).
+# This rank's part of the tutorial's __main__, which starts it in a process of its own.
 def run(rank, world_size, args):
     if rank == 0:
-        # tutorial: p = mp.Process(target=run_parameter_server, args=(0, world_size))
-        run_parameter_server(rank, world_size, args)
+        run_parameter_server(0, world_size, args)
     else:
         # Get data to train on
         train_loader, test_loader = get_data_loaders(rank, world_size, args)
-        # tutorial: p = mp.Process(target=run_worker, args=(args.rank, world_size, ...))
+        # start training worker on this node
         run_worker(rank, world_size, args.num_gpus, train_loader, test_loader, args)
 
 
@@ -269,40 +270,41 @@ def worker_name(rank, world_size):
     return "parameter_server" if rank == 0 else f"trainer_{rank}"
 
 
-def doing(rank, world_size):  # what a rank does, said once it has joined
-    return "holding the model" if rank == 0 else "training the model on parameter_server"
+def report_training(train_loader, seconds, args):
+    """A trainer's figures, for the summary that rank 0 writes at the end."""
+    batches = args.epochs * min(len(train_loader), args.max_batches or len(train_loader))
+    rpc_harness.report(batches=batches, train_seconds=round(seconds, 3))
 
 
 def write_summary(args, reports, mode="tutorial", more=None, more_line=""):
-    """The run's figures, from what each trainer reported when it finished; --batch adds its
-    own (`more`, `more_line`)."""
-    trainers = {name: report for name, report in sorted(reports.items()) if report}
+    """The run's figures, from what each trainer reported; batch.py adds its own (`more`,
+    `more_line`)."""
+    trainers = {name: report for name, report in sorted(reports.items()) if "accuracy" in report}
     accuracy = sum(r["accuracy"] for r in trainers.values()) / len(trainers)
     samples = sum(r["batches"] for r in trainers.values()) * args.batch_size
-    samples_per_second = samples / max(r["train_seconds"] for r in trainers.values())
-    launch.write_summary(
-        {"example": "param_server", "mode": mode, "dataset": args.dataset,
-         "world_size": args.world_size, "trainers": len(trainers), "epochs": args.epochs,
-         "accuracy": accuracy, "samples": samples,
-         "samples_per_second": round(samples_per_second, 1),
-         "train_seconds": round(max(r["train_seconds"] for r in trainers.values()), 3),
-         "accuracy_per_trainer": {name: r["accuracy"] for name, r in trainers.items()},
-         "batches_per_trainer": {name: r["batches"] for name, r in trainers.items()},
-         **(more or {})},
-        f"accuracy {accuracy:.4f} over {len(trainers)} trainer(s), "
-        f"{samples_per_second:.1f} samples/s in training{more_line}")
+    seconds = max(r["train_seconds"] for r in trainers.values())
+    return ({"example": "param_server", "mode": mode, "dataset": args.dataset,
+             "world_size": args.world_size, "trainers": len(trainers), "epochs": args.epochs,
+             "accuracy": accuracy, "samples": samples,
+             "samples_per_second": round(samples / seconds, 1), "train_seconds": seconds,
+             "accuracy_per_trainer": {name: r["accuracy"] for name, r in trainers.items()},
+             "batches_per_trainer": {name: r["batches"] for name, r in trainers.items()},
+             **(more or {})},
+            f"accuracy {accuracy:.4f} over {len(trainers)} trainer(s), "
+            f"{samples / seconds:.1f} samples/s in training{more_line}")
 
 
-def parse_args(argv=None):
-    parser = launch.ArgumentParser(
-        description="Parameter-Server RPC based training: rank 0 holds the model, the other "
-                    "ranks train it through RPC.")
+def parse_args(argv=None, description="Parameter-Server RPC based training: rank 0 holds the "
+               "model, the other ranks train it through RPC.", roles=None):
+    """The command line; batch.py's `roles` for its batch-updating server (and its own flag)."""
+    batch = roles is not None
+    parser = rpc_harness.ArgumentParser(description=description)
     # tcp: the server's convolutions need every core, and its messages are few and large, so
     # the shared-memory transport's polling threads cost more than they save (bench/).
-    launch.add_launch_arguments(parser, world_size=4, min_world_size=2,
-                                roles="the parameter server (rank 0) and the trainers",
-                                rpc_transport="tcp")
-    add, at_least = parser.add_argument, launch.int_at_least
+    rpc_harness.add_arguments(parser, world_size=4, min_world_size=2,
+                              roles="the parameter server (rank 0) and the trainers",
+                              rpc_transport="tcp")
+    add, at_least = parser.add_argument, rpc_harness.int_at_least
     add("--num_gpus", "--num-gpus", type=at_least(0), default=0, metavar="N",
         help="GPUs for the model, read by the parameter server (rank 0), where the model lives: "
              "0, 1 (cuda:0), or 2 (convs on cuda:0, the rest on cuda:1)")
@@ -316,25 +318,24 @@ def parse_args(argv=None):
         help="end each trainer's epoch after this many batches (for short runs)")
     add("--batch_size", "--batch-size", type=at_least(1), default=32, metavar="N",
         help="batch size")
-    add("--lr", type=launch.positive_float, default=None, metavar="RATE",
-        help="SGD learning rate (default: 0.03, the tutorial's; with --batch, 0.03 times "
-             "--batch_update_size, as each of its steps averages that many gradients)")
+    add("--lr", type=rpc_harness.positive_float, default=None, metavar="RATE",
+        help="SGD learning rate (default: 0.03, the tutorial's" + (
+            "; here 0.03 times --batch_update_size, as each step averages that many gradients)"
+            if batch else ")"))
     add("--log_interval", "--log-interval", type=at_least(1), default=5, metavar="N",
         help="print the loss every this many batches")
-    add("--batch", action="store_true",
-        help="train with the batch-updating parameter server of the batch RPC tutorial "
-             "(batch.py): synchronous steps, each on the gradients of --batch_update_size "
-             "trainers")
-    add("--batch_update_size", "--batch-update-size", type=at_least(1), default=None,
-        metavar="N", help="with --batch: gradients in each step (default: the number of trainers)")
-    args = launch.parse_args(parser, argv, min_world_size=2, per_rank=["data_dir"])
-    if args.batch_update_size is not None and not args.batch:
-        parser.error("--batch_update_size applies with --batch only")
-    if (args.batch_update_size or 0) > args.world_size - 1:
+    if batch:
+        add("--batch_update_size", "--batch-update-size", type=at_least(1), default=None,
+            metavar="N", help="gradients in each step (default: the number of trainers)")
+    # heavy (sharing the cores): the rank that runs the model; loops: the trainers'
+    roles = roles or dict(names=worker_name, heavy=lambda rank, _: rank == 0,
+                          loops=lambda rank, _: rank != 0, summary=write_summary)
+    args = rpc_harness.parse_args(parser, argv, per_rank=["data_dir"], **roles)
+    if (getattr(args, "batch_update_size", None) or 0) > args.world_size - 1:
         parser.error(f"--batch_update_size {args.batch_update_size} is more than the "
                      f"{args.world_size - 1} trainer(s) of a world of {args.world_size}")
-    if args.lr is None:  # a --batch step takes the place of batch_update_size steps
-        args.lr = 0.03 * ((args.batch_update_size or args.world_size - 1) if args.batch else 1)
+    if args.lr is None:  # a batch step takes the place of batch_update_size steps
+        args.lr = 0.03 * ((args.batch_update_size or args.world_size - 1) if batch else 1)
     if args.rank in (None, 0):  # the model lives on the parameter server
         try:
             choose_devices(args.num_gpus, torch.cuda.device_count())
@@ -351,18 +352,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    # heavy: the ranks that share the cores' threads, those that run the model
-    if args.batch:
-        import batch  # the batch tutorial's server; it imports Net, get_accuracy, write_summary
-        # the trainers train, the server averages their gradients
-        # tutorial: mp.spawn(run, args=(world_size, ), nprocs=world_size, join=True)
-        launch.start(args, batch.run, batch.worker_name, batch.doing,
-                     heavy=lambda rank, _: rank != 0, steps=lambda rank, _: rank != 0)
-    else:
-        # the server runs the model, the trainers wait for it
-        # tutorial: p = mp.Process(target=run_parameter_server or run_worker, ...); p.start()
-        launch.start(args, run, worker_name, doing, heavy=lambda rank, _: rank == 0,
-                     steps=lambda rank, _: rank != 0)
+    # tutorial: p = mp.Process(target=run_parameter_server or run_worker, args=(rank, ...))
+    rpc_harness.spawn(run, args=(args.world_size, args), nprocs=args.world_size, join=True)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 """Distributed Pipeline Parallelism Using RPC: the tutorial's code, runnable. A ResNet-50 in
 two shards on `worker1` and `worker2`; the `master` chains each batch's micro-batches through
 them with asynchronous RPCs, so that shard 1 works on micro-batch i+1 while shard 2 works on i.
-README.md says what differs from the tutorial and why; launch.py starts the ranks and bounds
+README.md says what differs from the tutorial and why; rpc_harness starts the ranks and bounds
 every wait; data.py holds the data. `python main.py`, or `--rank R` in each of 3 terminals."""
 
 import threading
 import time
 
-import launch  # before torch: it sets what torch reads when it is imported
+try:
+    import rpc_harness  # first: it sets what torch reads when it loads
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
+                     ".venv/bin/python (README.md)") from None
 
 # isort: split
 import torch
@@ -186,6 +190,7 @@ def run_master(num_split, args):
     # the same batches for every num_split, from --seed
     batches = class_images(args.num_batches, args.batch_size, args.image_size, args.seed)
     for i, (inputs, labels) in enumerate(batches):
+        rpc_harness.profile_step()  # not in the tutorial: --profile's window
         print(f"Processing batch {i}")
         started = time.perf_counter()
         with dist_autograd.context() as context_id:
@@ -196,34 +201,39 @@ def run_master(num_split, args):
         seconds.append(time.perf_counter() - started)
         losses.append(loss.item())
         print(f"num_split {num_split}, batch {i}: loss {loss.item():.4f}, {seconds[-1]:.3f} s")
-        launch.profile_step()  # not in the tutorial: --profile's window (launch.py)
-    return losses, seconds
+    report(num_split, losses, seconds)
 
 
 # Step 4: Launch RPC Processes
 
 def run_worker(rank, world_size, args):
     torch.manual_seed(args.seed + rank)  # the shards' initial weights, on the workers
+    options = rpc_harness.options(num_worker_threads=128)
+
     if rank == 0:
-        # tutorial: rpc.init_rpc("master", rank=rank, world_size=world_size, ...)
-        launch.init_rpc_with_timeout("master", rank=rank, world_size=world_size,
-                                     num_worker_threads=128)
+        rpc.init_rpc(
+            "master",
+            rank=rank,
+            world_size=world_size,
+            rpc_backend_options=options
+        )
         # each num_split in turn, in one world (the tutorial spawns a world for each)
-        results = {}
         for num_split in args.num_split:
             tik = time.time()
-            results[num_split] = run_master(num_split, args)
+            run_master(num_split, args)
             tok = time.time()
             print(f"number of splits = {num_split}, execution time = {tok - tik}")
     else:
-        # tutorial: rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, ...)
-        launch.init_rpc_with_timeout(f"worker{rank}", rank=rank, world_size=world_size,
-                                     num_worker_threads=128)
+        rpc.init_rpc(
+            f"worker{rank}",
+            rank=rank,
+            world_size=world_size,
+            rpc_backend_options=options
+        )
+        pass
 
     # block until all rpcs finish
-    launch.finish_and_shutdown()  # tutorial: rpc.shutdown()
-    if rank == 0:
-        write_summary(args, results)
+    rpc.shutdown()
 
 
 # --------- Not in the tutorial: devices, names, the summary, the command line -------------
@@ -238,38 +248,36 @@ def worker_name(rank, world_size):
     return "master" if rank == 0 else f"worker{rank}"
 
 
-def doing(rank, world_size):  # what a rank does, said once it has joined
-    return "sending micro-batches through both shards" if rank == 0 else f"running shard {rank}"
+def report(num_split, losses, seconds):
+    """Seconds per batch, without the first batch (warm-up), for the summary."""
+    steady = seconds[1:] or seconds
+    rpc_harness.report(**{str(num_split): {"seconds_per_batch": round(sum(steady) / len(steady),
+                                                                      4),
+                                           "first_loss": losses[0], "last_loss": losses[-1]}})
 
 
-def write_summary(args, results):
-    """Seconds per batch for each num_split, without each setting's first batch (warm-up)."""
-    splits = {}
-    for num_split, (losses, seconds) in results.items():
-        steady = seconds[1:] or seconds
-        splits[num_split] = {"seconds_per_batch": round(sum(steady) / len(steady), 4),
-                             "first_loss": losses[0], "last_loss": losses[-1]}
+def write_summary(args, reports):
+    splits = reports["master"]
     best = min(splits, key=lambda n: splits[n]["seconds_per_batch"])
-    launch.write_summary(
-        {"example": "pipeline_parallel", "batch_size": args.batch_size,
-         "image_size": args.image_size, "num_batches": args.num_batches, "splits": splits},
-        ", ".join(f"num_split {n}: {s['seconds_per_batch']:.3f} s a batch, loss "
-                  f"{s['first_loss']:.3f} -> {s['last_loss']:.3f}" for n, s in splits.items())
-        + (f"; fastest: num_split {best}" if len(splits) > 1 else ""))
+    return ({"example": "pipeline_parallel", "batch_size": args.batch_size,
+             "image_size": args.image_size, "num_batches": args.num_batches, "splits": splits},
+            ", ".join(f"num_split {n}: {s['seconds_per_batch']:.3f} s a batch, loss "
+                      f"{s['first_loss']:.3f} -> {s['last_loss']:.3f}" for n, s in splits.items())
+            + (f"; fastest: num_split {best}" if len(splits) > 1 else ""))
 
 
 def parse_args(argv=None):
-    parser = launch.ArgumentParser(description=(
+    parser = rpc_harness.ArgumentParser(description=(
         "Distributed pipeline parallelism: a ResNet-50 in two shards on worker1 and worker2, "
         "driven by the master, which splits each batch into --num_split micro-batches."))
     # tcp: the shards' convolutions need every core, and shared memory's polling threads
     # (one a process) took so much of two cores that a batch took 1.5 s instead of 1.0.
-    launch.add_launch_arguments(parser, world_size=3, min_world_size=3,
+    rpc_harness.add_arguments(parser, world_size=3, min_world_size=3,
                                 roles="the master (rank 0), worker1 and worker2",
                                 rpc_transport="tcp")
-    add, at_least = parser.add_argument, launch.int_at_least
-    add("--num_split", "--num-split", type=launch.int_list_at_least(1), default=[1, 2, 4, 8],
-        metavar="N[,N...]", help="micro-batches per batch; several (1,2,4) are timed in turn")
+    add, at_least = parser.add_argument, rpc_harness.int_at_least
+    add("--num_split", "--num-split", type=at_least(1), nargs="+", default=[1, 2, 4, 8],
+        metavar="N", help="micro-batches per batch; several (1 2 4) are timed in turn")
     add("--batch_size", "--batch-size", type=at_least(1), default=32, metavar="N",
         help="images per batch (the tutorial's 120)")
     # >= 64: below, shard 2 ends at 1 x 1 pixel, where batch norm fails on a 1-image micro-batch
@@ -277,8 +285,11 @@ def parse_args(argv=None):
         help="height and width of the images (the tutorial's 128)")
     add("--num_batches", "--num-batches", type=at_least(1), default=20, metavar="N",
         help="batches trained for each --num_split (the tutorial's 3)")
-    add("--lr", type=launch.positive_float, default=0.05, metavar="RATE", help="SGD learning rate")
-    args = launch.parse_args(parser, argv, min_world_size=3)
+    add("--lr", type=rpc_harness.positive_float, default=0.05, metavar="RATE",
+        help="SGD learning rate")
+    # heavy (sharing the cores): the workers, which run the shards; loops: the master's
+    args = rpc_harness.parse_args(parser, argv, worker_name, heavy=lambda rank, _: rank != 0,
+                                  loops=lambda rank, _: rank == 0, summary=write_summary)
     if args.world_size != 3:
         parser.error(f"this example runs 3 ranks (the master, worker1 and worker2), "
                      f"not --world_size {args.world_size}")
@@ -291,9 +302,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     # tutorial: mp.spawn(run_worker, args=(world_size, num_split), nprocs=world_size, join=True)
-    # heavy (sharing the cores' threads): the workers run the shards; steps: the master's loop
-    launch.start(args, run_worker, worker_name, doing, heavy=lambda rank, _: rank != 0,
-                 steps=lambda rank, _: rank == 0)
+    rpc_harness.spawn(run_worker, args=(args.world_size, args), nprocs=args.world_size, join=True)
 
 
 if __name__ == "__main__":

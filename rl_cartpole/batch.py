@@ -1,5 +1,5 @@
-"""`--batch`: the RL half of the tutorial "Implementing Batch RPC Processing Using Asynchronous
-Executions", built on the classes of main.py.
+"""The RL half of the tutorial "Implementing Batch RPC Processing Using Asynchronous Executions",
+runnable, built on the classes of main.py.
 
 The tutorial's agent runs one forward pass of the policy per observer and step, and each step
 costs two RPCs. Here the agent waits until every observer still playing has sent its state, and
@@ -7,20 +7,29 @@ answers them all with one forward pass: `select_action_batch` is an
 `@rpc.functions.async_execution` function that returns a future of the action at once, which
 the RPC framework completes (and answers) when the batch's forward pass is done, freeing its
 thread meanwhile. The observer makes one RPC a step, and returns its rewards at the end. The
-training is the tutorial's, so that the two modes can be compared. README.md says more.
+training is the tutorial's, so that the two can be compared. README.md says more.
+
+    python batch.py --world_size 5                  # an agent and 4 observers
 """
 
 import functools
 import threading
 
+try:
+    import rpc_harness  # first: it sets what torch reads when it loads
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
+                     ".venv/bin/python (README.md)") from None
+
+# isort: split
 import numpy as np
 import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import rpc_async, rpc_sync
 from torch.distributions import Categorical
 
-# main.py's classes (imported as a module: its `if __name__ == "__main__"` part does not run).
 from main import Agent, Observer, _call_method, discounted_returns, run_worker
+from main import parse_args as main_parse_args
 
 
 def choose_device(gpu_count):
@@ -137,5 +146,18 @@ class BatchAgent(Agent):
         return min_reward
 
 
-# run_worker of main.py, with this agent.
-run_batch_worker = functools.partial(run_worker, agent_class=BatchAgent)
+def parse_args(argv=None):
+    return main_parse_args(argv, "The batch RPC tutorial's agent: one forward pass of the policy "
+                           "answers every observer's request for an action.")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # tutorial: mp.spawn(run_worker, args=(world_size, args.num_episode, batch), nprocs=world_size,
+    #                    join=True)
+    rpc_harness.spawn(run_worker, args=(args.world_size, args, BatchAgent),
+                      nprocs=args.world_size, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,8 +3,8 @@
 Rank 0 is the agent, which holds the policy and trains it; ranks 1.. are observers, each with
 its own CartPole-v1 (Gymnasium). The agent starts every observer's episode with an RPC, and each
 observer calls back (a nested RPC) for every action and to report every reward. README.md says
-what differs from the tutorial and why; launch.py starts the ranks and bounds every wait;
-batch.py is `--batch`, the agent of the batch RPC tutorial, built on the classes here.
+what differs from the tutorial and why; rpc_harness starts the ranks and bounds every wait;
+batch.py runs the agent of the batch RPC tutorial, built on the classes here.
 
     python main.py                                  # every rank on this machine
     python main.py --world_size 2 --rank 1          # one rank per terminal
@@ -13,7 +13,11 @@ batch.py is `--batch`, the agent of the batch RPC tutorial, built on the classes
 import time
 from itertools import count
 
-import launch  # before torch: it sets what torch reads when it is imported
+try:
+    import rpc_harness  # first: it sets what torch reads when it loads
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
+                     ".venv/bin/python (README.md)") from None
 
 # isort: split
 import gymnasium as gym
@@ -162,16 +166,16 @@ TOTAL_EPISODE_STEP = gym.spec('CartPole-v1').max_episode_steps
 def run_worker(rank, world_size, args, agent_class=Agent):
     if rank == 0:
         # rank 0 is the agent
-        # tutorial: rpc.init_rpc(AGENT_NAME, rank=rank, world_size=world_size)
-        launch.init_rpc_with_timeout(AGENT_NAME, rank=rank, world_size=world_size)
+        rpc.init_rpc(AGENT_NAME, rank=rank, world_size=world_size,
+                     rpc_backend_options=rpc_harness.options())
         torch.manual_seed(args.seed)
 
         agent = agent_class(world_size, args)
         started = time.perf_counter()
         for i_episode in count(1):
+            rpc_harness.profile_step()  # not in the tutorial: --profile's window
             agent.run_episode(n_steps=TOTAL_EPISODE_STEP)
             last_reward = agent.finish_episode()
-            launch.profile_step()  # not in the tutorial: --profile's window (launch.py)
 
             if i_episode % args.log_interval == 0:
                 print('Episode {}\tLast reward: {:.2f}\tAverage reward: {:.2f}'.format(
@@ -183,17 +187,15 @@ def run_worker(rank, world_size, args, agent_class=Agent):
             if i_episode == args.max_episodes:
                 print(f"Stopped after {i_episode} episodes (--max_episodes), unsolved")
                 break
-        seconds = time.perf_counter() - started
+        report(agent, i_episode, last_reward, time.perf_counter() - started)
     else:
         # other ranks are the observer
-        # tutorial: rpc.init_rpc(OBSERVER_NAME.format(rank), rank=rank, world_size=world_size)
-        launch.init_rpc_with_timeout(OBSERVER_NAME.format(rank), rank=rank, world_size=world_size)
+        rpc.init_rpc(OBSERVER_NAME.format(rank), rank=rank, world_size=world_size,
+                     rpc_backend_options=rpc_harness.options())
         # observers passively waiting for instructions from the agent
 
     # block until all rpcs finish, and shutdown the RPC instance
-    launch.finish_and_shutdown()  # tutorial: rpc.shutdown()
-    if rank == 0:
-        write_summary(args, agent, i_episode, last_reward, seconds)
+    rpc.shutdown()
 
 
 # --------- Not in the tutorial: returns, names, the summary, the command line -------------
@@ -216,53 +218,48 @@ def worker_name(rank, world_size):
     return AGENT_NAME if rank == 0 else OBSERVER_NAME.format(rank)
 
 
-def doing(rank, world_size):  # what a rank does, said once it has joined
-    return "training the policy" if rank == 0 else f"playing episodes for {AGENT_NAME}"
+def report(agent, episodes, last_reward, seconds):
+    """The run's figures, for the summary that rank 0 writes at the end (write_summary)."""
+    rpc_harness.report(
+        mode=type(agent).__name__, episodes=episodes, last_reward=last_reward,
+        running_reward=agent.running_reward, env_steps=agent.env_steps,
+        solved=agent.running_reward > agent.reward_threshold, training_seconds=round(seconds, 3))
 
 
-def write_summary(args, agent, episodes, last_reward, seconds):
-    solved = agent.running_reward > agent.reward_threshold
-    launch.write_summary(
-        {"example": "rl_cartpole", "mode": "batch" if args.batch else "tutorial",
-         "observers": args.world_size - 1, "seed": args.seed, "gamma": args.gamma,
-         "episodes": episodes, "solved": solved, "last_reward": last_reward,
-         "running_reward": agent.running_reward, "env_steps": agent.env_steps,
-         "training_seconds": round(seconds, 3),
-         "steps_per_second": round(agent.env_steps / seconds, 1)},
-        f"{episodes} episodes, {'solved' if solved else 'not solved'}, running reward "
-        f"{agent.running_reward:.2f}, {agent.env_steps} environment steps at "
-        f"{agent.env_steps / seconds:.1f} steps/s")
+def write_summary(args, reports):
+    agent = reports[AGENT_NAME]
+    steps_per_second = agent["env_steps"] / agent["training_seconds"]
+    return ({"example": "rl_cartpole", **agent, "observers": args.world_size - 1,
+             "mode": "batch" if agent["mode"] == "BatchAgent" else "tutorial", "seed": args.seed,
+             "gamma": args.gamma, "steps_per_second": round(steps_per_second, 1)},
+            f"{agent['episodes']} episodes, {'solved' if agent['solved'] else 'not solved'}, "
+            f"running reward {agent['running_reward']:.2f}, {agent['env_steps']} environment "
+            f"steps at {steps_per_second:.1f} steps/s")
 
 
-def parse_args(argv=None):
-    parser = launch.ArgumentParser(
-        description="RPC Reinforcement Learning Example: rank 0, the agent, trains a policy on "
-                    "CartPole-v1 with the episodes that the other ranks, the observers, play.")
+def parse_args(argv=None, description="RPC Reinforcement Learning Example: rank 0, the agent, "
+               "trains a policy on CartPole-v1 with the episodes that the other ranks, the "
+               "observers, play."):
+    parser = rpc_harness.ArgumentParser(description=description)
     # auto (shared memory): a step is two tiny messages, so their latency is what counts.
-    launch.add_launch_arguments(parser, world_size=2, min_world_size=2,
-                                roles="the agent (rank 0) and the observers",
-                                rpc_transport="auto")
+    rpc_harness.add_arguments(parser, world_size=2, min_world_size=2,
+                              roles="the agent (rank 0) and the observers", rpc_transport="auto")
     add = parser.add_argument
-    add("--batch", action="store_true",
-        help="answer all observers' requests for an action with one forward pass of the policy "
-             "(the batch RPC tutorial; batch.py), instead of one forward pass per request")
-    add('--log_interval', '--log-interval', type=launch.int_at_least(1), default=10,
+    add('--log_interval', '--log-interval', type=rpc_harness.int_at_least(1), default=10,
         metavar="N", help='Log every log_interval episodes')
-    add('--gamma', type=launch.unit_interval, default=0.99, metavar="G",
+    add('--gamma', type=rpc_harness.unit_interval, default=0.99, metavar="G",
         help='how much to value future rewards')
-    add("--max_episodes", "--max-episodes", type=launch.int_at_least(1), default=2000,
+    add("--max_episodes", "--max-episodes", type=rpc_harness.int_at_least(1), default=2000,
         metavar="N", help="stop, unsolved, after this many episodes")
-    return launch.parse_args(parser, argv, min_world_size=2)
+    # a policy this small gains nothing from threads: no rank is heavy
+    return rpc_harness.parse_args(parser, argv, worker_name, heavy=lambda *_: False,
+                                  loops=lambda rank, _: rank == 0, summary=write_summary)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.batch:
-        import batch  # the batch tutorial's agent; it imports the classes above from here
     # tutorial: mp.spawn(run_worker, args=(args.world_size, ), nprocs=args.world_size, join=True)
-    # heavy: the ranks that get the cores' threads; a policy this small gains nothing from them.
-    launch.start(args, batch.run_batch_worker if args.batch else run_worker, worker_name, doing,
-                 heavy=lambda rank, world_size: False, steps=lambda rank, _: rank == 0)
+    rpc_harness.spawn(run_worker, args=(args.world_size, args), nprocs=args.world_size, join=True)
 
 
 if __name__ == "__main__":

@@ -2,24 +2,31 @@
 today's torch. worker0 sends worker1 two builtin operators and a user-defined function under the
 profiler, as the recipe does; the recipe's output, the callee's operators in the caller's table,
 no longer appears, so every rank then profiles itself and rank 0 merges the traces into one
-timeline (with profiling.py's merge). README.md says what differs and why; launch.py starts the
-ranks and bounds every wait. `python main.py`, or `--rank R` in each terminal."""
+timeline (with rpc_harness's merge). README.md says what differs and why; rpc_harness starts
+the ranks and bounds every wait. `python main.py`, or `--rank R` in each terminal."""
 
-import launch  # first: it quiets torch's C++ logs, which are set when torch loads
+try:
+    import rpc_harness  # first: it quiets torch's C++ logs, which are set when torch loads
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
+                     ".venv/bin/python (README.md)") from None
 
 # isort: split
 
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
 
-import profiling
 import torch
 import torch.autograd.profiler as profiler
 import torch.distributed.rpc as rpc
+
+from rpc_harness import profiling
+from rpc_harness.compat import profiler_options
 
 logging.basicConfig(stream=sys.stdout, level=logging.DEBUG)
 logger = logging.getLogger()
@@ -41,8 +48,12 @@ def worker(rank, world_size, args):
     worker_name = f"worker{rank}"
 
     # Initialize RPC framework.
-    # tutorial: rpc.init_rpc(name=worker_name, rank=rank, world_size=world_size)
-    launch.init_rpc_with_timeout(worker_name, rank=rank, world_size=world_size)
+    rpc.init_rpc(
+        name=worker_name,
+        rank=rank,
+        world_size=world_size,
+        rpc_backend_options=rpc_harness.options()
+    )
     logger.debug(f"{worker_name} successfully initialized RPC.")
 
     if rank == 0:
@@ -69,26 +80,24 @@ def worker(rank, world_size, args):
         logger.debug(f"Wrote trace to {trace_file}")
 
         recipe = say_what_the_recipes_profiles_hold(prof, p, dst_worker_name)
-        profiled = {**profile_every_rank(worker_name, dst_worker_name, t1, t2, world_size, args),
-                    "recipe": recipe}
+        profile_every_rank(worker_name, dst_worker_name, t1, t2, world_size, args)
+        rpc_harness.report(recipe=recipe)  # not in the recipe: the summary's figures
     else:
-        profiled = profile_until_worker0_is_done(worker_name, args)
+        profile_until_worker0_is_done(worker_name, args)
 
     logger.debug(f"Rank {rank} waiting for workers and shutting down RPC")
-    reports = launch.finish_and_shutdown(profiled)  # tutorial: rpc.shutdown()
+    rpc.shutdown()
     logger.debug(f"Rank {rank} shutdown RPC")
-    if rank == 0:
-        write_timeline(args, {worker_name: profiled, **reports})
 
 
 # --------- Not in the tutorial: every rank profiled, one timeline --------------------
 #
 # worker0 waits until every other rank's profiler runs, sends worker1 the recipe's RPCs again
 # under a profiler of its own, and tells the others to stop; each writes its trace and reports
-# it with finish_and_shutdown, so that worker0 can merge them even when the ranks run on
+# it (rpc_harness.report), so that worker0 can merge them at the end even when the ranks run on
 # machines that share no folder.
 
-PROFILER_OPTIONS, ALL_THREADS = profiling.profiler_options()
+PROFILER_OPTIONS, ALL_THREADS = profiler_options()
 profiler_running = threading.Event()  # set on a rank other than 0 while its profiler runs
 stop_profiling = threading.Event()  # set by worker0 when it is done
 
@@ -132,19 +141,38 @@ def profile_every_rank(worker_name, dst_worker_name, t1, t2, world_size, args):
             rpc.rpc_async(dst_worker_name, udf_with_ops).wait()
     for other in others:
         rpc.rpc_sync(other, stop)
-    return {**finish_profile(prof, worker_name, args),
-            "clocks": {other: profiling.clock_offset(other) for other in others}}
+    finish_profile(prof, worker_name, args)
+    rpc_harness.report(clocks={other: clock_offset(other) for other in others})
 
 
 def profile_until_worker0_is_done(worker_name, args):
     with torch.profiler.profile(**PROFILER_OPTIONS) as prof:
         profiler_running.set()
         stop_profiling.wait(args.rpc_timeout)
-    return finish_profile(prof, worker_name, args)
+    finish_profile(prof, worker_name, args)
+
+
+def clock():
+    return socket.gethostname(), time.time_ns()
+
+
+def clock_offset(other):
+    """How far this rank's clock is ahead of other's, in ns (0 on one machine: one clock), and
+    how far off that may be: half the best of five round trips."""
+    samples = []
+    for _ in range(5):
+        before = time.time_ns()
+        host, theirs = rpc.rpc_sync(other, clock)
+        after = time.time_ns()
+        samples.append((after - before, (before + after) // 2 - theirs))
+    if host == socket.gethostname():
+        return 0, 0
+    round_trip, offset = min(samples)
+    return offset, max(1, round_trip // 2)
 
 
 def finish_profile(prof, worker_name, args):
-    """Write this rank's trace, print its top operators; its trace, host and clock."""
+    """Write this rank's trace, print its top operators, and report the trace to worker0."""
     path = os.path.join(args.profile, f"{worker_name}.json")
     prof.export_chrome_trace(path)
     with open(path) as file:
@@ -156,11 +184,12 @@ def finish_profile(prof, worker_name, args):
     # one print: the ranks share the terminal, and a table in pieces would mix with another's
     print(f"{worker_name}: top operators (self CPU time){missing}\n"
           + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=6))
-    return {"trace": text}
+    rpc_harness.report(trace=text)
 
 
 def write_timeline(args, profiled):
-    """Merge every rank's trace (in rank order) into --profile's timeline.json."""
+    """At the end, on worker0: merge every rank's trace (in rank order) into --profile's
+    timeline.json; the summary."""
     clocks = profiled["worker0"]["clocks"]
     for name, (offset, error) in clocks.items():
         if error:  # offset: how far worker0's clock is ahead of theirs
@@ -175,7 +204,7 @@ def write_timeline(args, profiled):
     recipe = profiled["worker0"]["recipe"]
     on_worker1 = [event["name"] for event in traces["worker1"]["traceEvents"]
                   if event.get("ph") == "X" and event["name"].startswith("aten::")]
-    launch.write_summary(
+    return (
         {"example": "rpc_profiling", "torch": torch.__version__, "all_threads": ALL_THREADS,
          "recipe_events": recipe["events"], "recipe_remote_events": recipe["remote_events"],
          "worker1_operators": len(on_worker1), "timeline": path,
@@ -195,34 +224,29 @@ def worker_name(rank, world_size):
     return f"worker{rank}"
 
 
-def doing(rank, world_size):  # said once a rank has joined
-    if rank == 0:
-        return "sending RPCs to worker1 under the profiler"
-    return "answering worker0's RPCs" if rank == 1 else "profiled, idle: worker0 calls worker1"
-
-
 def parse_args(argv=None):
-    parser = launch.ArgumentParser(description=(
+    parser = rpc_harness.ArgumentParser(description=(
         "Profiling RPC: worker0 sends worker1 two operators and a function under the "
         "profiler, as the recipe does, then every rank profiles itself and worker0 writes one "
         "timeline of them all."))
-    launch.add_launch_arguments(parser, world_size=2, min_world_size=2,
-                                roles="worker0 (sends the RPCs), worker1 (runs them), others "
-                                      "idle", rpc_transport="auto", profiled=False)
+    rpc_harness.add_arguments(parser, world_size=2, min_world_size=2,
+                              roles="worker0 (sends the RPCs), worker1 (runs them), others idle",
+                              rpc_transport="auto", profiled=False)
     parser.add_argument(
         "--profile", default="traces", metavar="DIR",
         help="folder for the traces: the recipe's trace.json, one per rank (worker0.json, ...) "
              "and worker0's timeline.json of them all; made if missing")
-    args = launch.parse_args(parser, argv, min_world_size=2, per_rank=["profile"])
-    profiling.check_folder(parser, args.profile)
+    # heavy: none, 3 x 3 tensors need no more than one thread
+    args = rpc_harness.parse_args(parser, argv, worker_name, heavy=lambda *_: False,
+                                  summary=write_timeline, per_rank=["profile"])
+    rpc_harness.check_folder(parser, args.profile)
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     # tutorial: mp.spawn(worker, args=(world_size,), nprocs=world_size)
-    # heavy: the ranks that get the cores' threads; 3 x 3 tensors need no more than one.
-    launch.start(args, worker, worker_name, doing, heavy=lambda rank, world_size: False)
+    rpc_harness.spawn(worker, args=(args.world_size, args), nprocs=args.world_size)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What every example's tests need: free ports, a bounded runner for an example's command line
-that also checks nothing is left running, and tiny MNIST files. In-process access to an
-example's modules is in example_modules.py."""
+that also checks nothing is left running, --profile's timeline, and tiny MNIST files.
+In-process access to an example's modules is in example_modules.py."""
 
 import gzip
 import json
@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch.distributed.rpc as rpc
 from example_modules import load_example
+
+from rpc_harness.compat import profiler_options
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,9 +40,9 @@ def free_port():
 
 # --------- Running examples --------------------
 
-def example_command(example, *args):
-    """The command line that runs an example's main.py (from the repository's root)."""
-    return [sys.executable, str(ROOT / example / "main.py"), *map(str, args)]
+def example_command(example, *args, script="main.py"):
+    """The command line that runs an example's main.py, or another of its entry points."""
+    return [sys.executable, str(ROOT / example / script), *map(str, args)]
 
 
 def _proc_stat(pid):
@@ -163,8 +165,9 @@ class Runs(list):
         super().__init__()
         self.log_dir = log_dir
 
-    def start(self, example, *args, env=None, prefix=()):
-        return self.start_command([*prefix, *example_command(example, *args)], env=env)
+    def start(self, example, *args, env=None, prefix=(), script="main.py"):
+        return self.start_command([*prefix, *example_command(example, *args, script=script)],
+                                  env=env)
 
     def start_command(self, cmd, env=None):
         run = Run(cmd, self.log_dir, env=env)
@@ -172,8 +175,8 @@ class Runs(list):
         return run
 
 
-def start_example(example, *args, env=None, log_dir=None):
-    return Run(example_command(example, *args), log_dir, env=env)
+def start_example(example, *args, env=None, log_dir=None, script="main.py"):
+    return Run(example_command(example, *args, script=script), log_dir, env=env)
 
 
 # For runs that a fixture starts together: TCP between their ranks. TensorPipe's shared memory
@@ -197,9 +200,9 @@ def finish_together(runs, timeout):
     return runs
 
 
-def run_example(example, *args, timeout=120, env=None, log_dir=None):
+def run_example(example, *args, timeout=120, env=None, log_dir=None, script="main.py"):
     """Run an example to completion; fail the test if it times out or leaves processes."""
-    run = start_example(example, *args, env=env, log_dir=log_dir).wait(timeout)
+    run = start_example(example, *args, env=env, log_dir=log_dir, script=script).wait(timeout)
     alive = run.leftovers()
     run.kill_session()
     assert not alive, f"processes left running after {example}: {alive}"
@@ -207,11 +210,6 @@ def run_example(example, *args, timeout=120, env=None, log_dir=None):
 
 
 # --------- --profile's timeline --------------------
-
-def profile_all_threads():
-    """Whether this torch's profiler records every thread (RPC's too), as profiling.py asks it."""
-    return load_example("param_server", "profiling").profiler_options()[1]
-
 
 def check_timeline(runs, folder, ranks, callee, operators):
     """A run with --profile FOLDER (its commands: one, or one per rank): every rank's trace,
@@ -229,11 +227,11 @@ def check_timeline(runs, folder, ranks, callee, operators):
                      r": open it in https://ui\.perfetto\.dev", stdout), stdout
     events = json.loads((folder / "timeline.json").read_text())["traceEvents"]
     tracks = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    assert [tracks[pid] for pid in sorted(tracks) if pid % 1000 == 0] == list(ranks)
-    steps = [e for e in events if e.get("ph") == "X" and e["name"].startswith("step ")]
+    assert [tracks[pid] for pid in sorted(tracks)] == list(ranks)
+    steps = [e for e in events if e.get("ph") == "X" and e["name"].startswith("ProfilerStep#")]
     assert steps, "no step spans of the looping ranks"
     start, end = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
-    if not profile_all_threads():
+    if not profiler_options()[1]:
         assert "records only the thread that started the profiler" in stdout
         return events
     work = {e["name"] for e in events if e.get("ph") == "X" and tracks.get(e["pid"]) == callee

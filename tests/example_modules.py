@@ -1,8 +1,8 @@
 """Import an example's modules in this process, as running its main.py would import them.
 
-Each example folder runs on its own: main.py imports the modules beside it by their plain names
-(`import launch`, `from data import ...`, batch.py's `from main import ...`). Several folders
-have modules of the same name, so the plain names may point at one example's modules at a time:
+main.py imports the modules beside it by their plain names (`from data import ...`, and batch.py
+`from main import ...`). Several folders have modules of the same name (main, data), so the
+plain names may point at one example's modules at a time:
 load_example() loads an example's module with its folder first on sys.path and the plain names
 set to its modules, then restores sys.modules. Code that looks modules up by name later (pickle,
 as in-process RPC does) runs inside example_modules(example). The tests and bench/ use this.
@@ -21,7 +21,7 @@ _loaded = {}  # example -> {plain module name: module}
 @contextlib.contextmanager
 def example_modules(example):
     """While inside, the example's folder is first on sys.path and the plain names of its
-    modules (main, launch, ...) are the ones load_example() loaded for it."""
+    modules (main, data, ...) are the ones load_example() loaded for it."""
     folder = ROOT / example
     names = [path.stem for path in folder.glob("*.py")]
     saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}

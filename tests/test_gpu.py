@@ -16,11 +16,11 @@ pytestmark = [pytest.mark.gpu,
 two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs two GPUs, and this machine has {GPUS}")
 
 
-def run(example, tmp_path, *args, timeout=240):
+def run(example, tmp_path, *args, timeout=240, script="main.py"):
     """Run an example to the end with --summary_json; (its run, its summary)."""
     summary = tmp_path / "summary.json"
     finished = run_example(example, *args, "--master_port", find_free_port(),
-                           "--summary_json", summary, timeout=timeout)
+                           "--summary_json", summary, timeout=timeout, script=script)
     assert finished.returncode == 0, finished.output
     return finished, json.loads(summary.read_text())
 
@@ -36,8 +36,9 @@ def test_param_server_puts_the_model_on_its_gpus(tmp_path, num_gpus):
 
 
 def test_param_server_batch_trainers_train_on_the_gpu(tmp_path):
-    finished, summary = run("param_server", tmp_path, "--batch", "--world_size", 3,
-                            "--dataset", "synthetic", "--max_batches", 60, "--log_interval", 20)
+    finished, summary = run("param_server", tmp_path, "--world_size", 3, "--dataset",
+                            "synthetic", "--max_batches", 60, "--log_interval", 20,
+                            script="batch.py")
     for trainer in ("trainer1", "trainer2"):
         assert f"{trainer} trains its copy of the model on cuda:0" in finished.stdout
     assert summary["identical_final_weights"] is True and summary["short_updates"] == 0
@@ -45,8 +46,8 @@ def test_param_server_batch_trainers_train_on_the_gpu(tmp_path):
 
 
 def test_rl_cartpole_batch_puts_the_policy_on_the_gpu(tmp_path):
-    finished, summary = run("rl_cartpole", tmp_path, "--world_size", 3, "--batch",
-                            "--max_episodes", 30, "--log_interval", 1)
+    finished, summary = run("rl_cartpole", tmp_path, "--world_size", 3, "--max_episodes", 30,
+                            "--log_interval", 1, script="batch.py")
     assert "Agent: batched actions for 2 observer(s), policy on cuda:0" in finished.stdout
     rewards = [float(r) for r in re.findall(r"^Episode \d+\tLast reward: (\S+)\t",
                                             finished.stdout, re.M)]

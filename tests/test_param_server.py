@@ -1,6 +1,5 @@
 import json
 import re
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -131,7 +130,7 @@ def test_the_server_steps_once_the_update_size_is_in_and_answers_every_waiting_t
 
 
 def test_every_trainer_trains_as_many_batches():
-    args = ps.parse_args(["--dataset", "synthetic", "--rank", "1", "--batch"])
+    args = ps_batch.parse_args(["--dataset", "synthetic", "--rank", "1"])
     loaders = [ps_data.get_data_loaders(rank, 8, args)[0] for rank in range(1, 8)]
     sizes = {len(loader.dataset) for loader in loaders}
     assert sizes == {857, 858}  # 6000 samples over 7 trainers
@@ -142,19 +141,20 @@ def test_every_trainer_trains_as_many_batches():
 
 # --------- Command line, in-process --------------------
 
-@pytest.mark.parametrize("flags, lr", [
-    ((), 0.03), (("--batch",), 0.09), (("--batch", "--batch_update_size", "2"), 0.06),
-    (("--batch", "--lr", "0.05"), 0.05), (("--lr", "0.05"), 0.05)])
-def test_a_batch_step_of_n_gradients_takes_n_times_the_learning_rate(flags, lr):
-    """--batch averages the gradients of batch_update_size trainers in one step, where the
+@pytest.mark.parametrize("module, flags, lr", [
+    (ps, (), 0.03), (ps_batch, (), 0.09), (ps_batch, ("--batch_update_size", "2"), 0.06),
+    (ps_batch, ("--lr", "0.05"), 0.05), (ps, ("--lr", "0.05"), 0.05)])
+def test_a_batch_step_of_n_gradients_takes_n_times_the_learning_rate(module, flags, lr):
+    """batch.py averages the gradients of batch_update_size trainers in one step, where the
     tutorial's server would take that many steps: the default learning rate scales with it."""
-    args = ps.parse_args(["--dataset", "synthetic", "--world_size", "4", *flags])
+    args = module.parse_args(["--dataset", "synthetic", "--world_size", "4",
+                              "--master_port", str(find_free_port()), *flags])
     assert args.lr == pytest.approx(lr)
 
 
-def bad_input_message(capsys, argv):
+def bad_input_message(capsys, argv, module=ps):
     with pytest.raises(SystemExit) as exited:
-        ps.parse_args(argv)
+        module.parse_args(argv)
     err = capsys.readouterr().err
     assert exited.value.code == 2
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -175,10 +175,7 @@ def bad_input_message(capsys, argv):
     (["--num_gpus", "3"], "must be 0, 1 or 2"),
     (["--data_dir", "/nonexistent/mnist"], "no such folder"),
     (["--dataset", "cifar"], "invalid choice"),
-    (["--batch", "--batch_update_size", "0"], "must be at least 1"),
-    (["--batch", "--batch_update_size", "4"], "more than the 3 trainer(s) of a world of 4"),
-    (["--batch", "--world_size", "2", "--batch_update_size", "2"], "more than the 1 trainer(s)"),
-    (["--batch_update_size", "2"], "applies with --batch only"),
+    (["--batch_update_size", "2"], "unrecognized arguments: --batch_update_size 2"),
 ])
 def test_bad_input_is_one_line_and_status_2(capsys, argv, expected):
     if torch.cuda.device_count() and "--num_gpus" in argv:
@@ -186,18 +183,20 @@ def test_bad_input_is_one_line_and_status_2(capsys, argv, expected):
     assert expected in bad_input_message(capsys, ["--dataset", "synthetic", *argv])
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["--batch_update_size", "0"], "must be at least 1"),
+    (["--batch_update_size", "4"], "more than the 3 trainer(s) of a world of 4"),
+    (["--world_size", "2", "--batch_update_size", "2"], "more than the 1 trainer(s)"),
+])
+def test_batch_bad_input_is_one_line_and_status_2(capsys, argv, expected):
+    assert expected in bad_input_message(capsys, ["--dataset", "synthetic", *argv], ps_batch)
+
+
 def test_num_gpus_is_checked_where_the_model_lives():
     """The parameter server (rank 0) builds the model from its own --num_gpus; a trainer's value
     is not used, so a trainer's machine needs no GPUs for it."""
     args = ps.parse_args(["--dataset", "synthetic", "--rank", "1", "--num_gpus", "2"])
     assert args.num_gpus == 2 and args.rank == 1
-
-
-def test_busy_port_names_the_port_and_the_flag(capsys):
-    with socket.create_server(("127.0.0.1", 0)) as busy:
-        port = busy.getsockname()[1]
-        err = bad_input_message(capsys, ["--dataset", "synthetic", "--master_port", str(port)])
-    assert str(port) in err and "--master_port" in err
 
 
 def test_hyphenated_flags_and_torchrun_environment(monkeypatch):
@@ -232,19 +231,20 @@ def logged_losses(output, rank):
 def finished(tmp_path_factory):
     """The spawn-all runs of this file, started together:
     - two_trainers: every rank from one command, a server and two trainers at once, profiled;
-    - batch: the same with the batch-updating server (--batch)."""
+    - batch: the same with the batch-updating server (batch.py)."""
     tmp = tmp_path_factory.mktemp("ps")
 
-    def start(*args, summary=None):
+    def start(*args, summary=None, script="main.py"):
         summary_args = ("--summary_json", tmp / f"{summary}.json") if summary else ()
-        return start_example("param_server", *args, *summary_args, log_dir=tmp)
+        return start_example("param_server", *args, *summary_args, log_dir=tmp, script=script)
 
     common = ["--world_size", 3, "--dataset", "synthetic", "--max_batches", 60,
               "--log_interval", 20]
     started = {
         "two_trainers": [start(*common, "--master_port", find_free_port(),
                                "--profile", tmp / "trace", summary="two_trainers")],
-        "batch": [start(*common, "--batch", "--master_port", find_free_port(), summary="batch")],
+        "batch": [start(*common, "--master_port", find_free_port(), summary="batch",
+                        script="batch.py")],
     }
     finish_together([run for runs in started.values() for run in runs], timeout=240)
     summaries = {name: json.loads((tmp / f"{name}.json").read_text())

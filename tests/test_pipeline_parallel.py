@@ -75,8 +75,8 @@ def bad_input_message(capsys, argv):
 @pytest.mark.parametrize("argv, expected", [
     (["--world_size", "4"], "runs 3 ranks"),
     (["--world_size", "2"], "must be at least 3"),
-    (["--num_split", "0"], "each must be at least 1"),
-    (["--num_split", "1,two"], "expected numbers separated by commas"),
+    (["--num_split", "0"], "must be at least 1"),
+    (["--num_split", "1", "two"], "invalid integer"),
     (["--num_split", "64"], "more micro-batches than the 32 images"),
     (["--image_size", "32"], "must be at least 64"),
     (["--batch_size", "0"], "must be at least 1"),
@@ -89,6 +89,7 @@ def test_bad_input_is_one_line_and_status_2(capsys, argv, expected):
 def test_num_split_takes_one_count_or_several():
     port = str(find_free_port())
     assert pipeline.parse_args(["--master_port", port, "--num_split", "4"]).num_split == [4]
+    assert pipeline.parse_args(["--master_port", port, "--num_split", "1", "4"]).num_split == [1, 4]
     assert pipeline.parse_args(["--master_port", port]).num_split == [1, 2, 4, 8]
 
 
@@ -140,7 +141,7 @@ def test_spawn_all_learned(spawn_all):
 @pytest.mark.slow
 def test_ranks_as_separate_commands_in_any_order_time_each_num_split(tmp_path, runs):
     """One command per rank, worker2 first; two settings of --num_split, each timed."""
-    common = ["--batch_size", 4, "--num_batches", 2, "--num_split", "1,4",
+    common = ["--batch_size", 4, "--num_batches", 2, "--num_split", 1, 4,
               "--master_port", find_free_port()]
     worker2 = runs.start("pipeline_parallel", *common, "--rank", 2)
     worker1 = runs.start("pipeline_parallel", *common, "--rank", 1)

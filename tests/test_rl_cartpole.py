@@ -1,7 +1,6 @@
 import json
 import math
 import re
-import socket
 from types import SimpleNamespace
 
 import gymnasium as gym
@@ -225,21 +224,14 @@ def test_bad_input_is_one_line_and_status_2(capsys, argv, expected):
     assert expected in bad_input_message(capsys, argv)
 
 
-def test_busy_port_names_the_port_and_the_flag(capsys):
-    with socket.create_server(("127.0.0.1", 0)) as busy:
-        port = busy.getsockname()[1]
-        err = bad_input_message(capsys, ["--master_port", str(port)])
-    assert str(port) in err and "--master_port" in err
-
-
 def test_hyphenated_flags_and_torchrun_environment(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29998")
-    args = rl.parse_args(["--max-episodes", "7", "--log-interval", "2", "--batch"])
+    args = rl_batch.parse_args(["--max-episodes", "7", "--log-interval", "2"])
     assert (args.rank, args.world_size, args.master_port) == (1, 3, 29998)
-    assert (args.max_episodes, args.log_interval, args.batch, args.torchrun) == (7, 2, True, True)
+    assert (args.max_episodes, args.log_interval, args.torchrun) == (7, 2, True)
 
 
 def test_help_shows_every_default(capsys):
@@ -248,7 +240,7 @@ def test_help_shows_every_default(capsys):
     out = " ".join(capsys.readouterr().out.split())  # as one line, whatever the wrapping
     assert exited.value.code == 0
     for default in ("(default: 2)", "(default: 0.99)", "(default: 10)", "(default: 29500)",
-                    "(default: False)"):
+                    "(default: 2000)"):
         assert default in out
 
 
@@ -280,19 +272,19 @@ def episode_rewards(output):
 def finished(tmp_path_factory):
     """The spawn-all runs of this file, started together:
     - tutorial: the tutorial's agent and one observer, profiled;
-    - batch: --batch with two observers."""
+    - batch: batch.py's agent with two observers."""
     tmp = tmp_path_factory.mktemp("rl")
 
-    def start(*args, summary=None):
+    def start(*args, summary=None, script="main.py"):
         summary_args = ("--summary_json", tmp / f"{summary}.json") if summary else ()
         return start_example("rl_cartpole", "--log_interval", 1, *TCP, *args, *summary_args,
-                             log_dir=tmp)
+                             log_dir=tmp, script=script)
 
     started = {
         "tutorial": [start("--max_episodes", EPISODES, "--master_port", find_free_port(),
                            "--profile", tmp / "trace", summary="tutorial")],
-        "batch": [start("--world_size", 3, "--batch", "--max_episodes", BATCH_EPISODES,
-                        "--master_port", find_free_port(), summary="batch")],
+        "batch": [start("--world_size", 3, "--max_episodes", BATCH_EPISODES,
+                        "--master_port", find_free_port(), summary="batch", script="batch.py")],
     }
     finish_together([run for runs in started.values() for run in runs], timeout=150)
     summaries = {name: json.loads((tmp / f"{name}.json").read_text())
@@ -300,12 +292,12 @@ def finished(tmp_path_factory):
     return started, summaries
 
 
-def test_the_profiled_timeline_shows_the_observers_episodes(finished):
-    """--profile: a track per rank; the observer plays its episodes (env.step between its calls
-    to the agent) while the agent's steps, an episode each, are profiled."""
+def test_the_profiled_timeline_shows_the_agent_answering_the_observer(finished):
+    """--profile: a track per rank; inside the agent's steps, an episode each, its RPC threads
+    run select_action for the observer's every step (sampling the policy's action)."""
     run = finished[0]["tutorial"][0]
-    check_timeline([run], run.log_dir / "trace", ["agent", "observer1"], "observer1",
-                   {"RPC Observer.run_episode"})
+    check_timeline([run], run.log_dir / "trace", ["agent", "observer1"], "agent",
+                   {"aten::multinomial"})
 
 
 def test_spawn_all_runs_the_tutorials_episodes(finished):
@@ -348,7 +340,7 @@ def test_ranks_as_separate_commands_repeat_the_run(finished, runs):
     assert re.fullmatch(r"observer1: 1 intra-op thread\(s\) on \d+ core\(s\) \(.*\)\n"
                         r"observer1 \(rank 1 of 2\): waiting for the other ranks at "
                         r"localhost:\d+, up to 60 s\n"
-                        r"observer1: joined; playing episodes for agent\n",
+                        r"observer1: joined the other 1 rank\(s\)\n",
                         observer.stdout), observer.stdout
 
 

@@ -1,0 +1,177 @@
+"""--profile DIR: each rank's torch.profiler trace, and one timeline of them all.
+
+A profiler records its own process, so each rank profiles itself. The ranks whose loops call
+profile_step() record --profile_steps steps after WARMUP_STEPS, on torch's schedule (each step a
+span ProfilerStep#N, N counting the loop's steps from 0); the others, which serve their calls,
+from the join until every looping rank's window has closed (a count in rank 0's store). Rank 0
+merges the traces at the end where the ranks share its folder; otherwise, with every rank's
+trace copied into one folder: python -m rpc_harness.profiling FOLDER"""
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+from torch.autograd.profiler_util import EventList
+
+from .compat import profiler_options
+
+WARMUP_STEPS = 2
+TIMELINE = "timeline.json"
+_CLOSED = "rpc_harness/profiles_closed"
+
+_on, _loops, _steps = False, False, 0  # --profile here; this rank loops; its steps so far
+_args = _name = _store = _prof = None  # _prof: None before its start, False once written
+_meta = {}  # what the merge reads in the trace: rank, rankName, run, clockOffsetNs
+_lock = threading.Lock()  # the trace is written once, by whichever thread gets there
+
+
+def begin(args, rank, name, store, run, clock_offset_ns):
+    """At the join, on the main thread: who this rank is, which run (the same on every rank),
+    how far its clock is ahead of rank 0's. A rank that does not loop starts its profiler here:
+    Kineto wants its first start on the main thread (elsewhere it prints an ERROR), torch 2.4 the
+    stop too (compat.py)."""
+    global _on, _args, _name, _store, _loops, _prof
+    _on = bool(getattr(args, "profile", None)) and args.harness.loops is not None
+    if _on:
+        _args, _name, _store, _loops = args, name, store, rank in args.harness.loops
+        _meta.update(rank=rank, rankName=name, run=run, clockOffsetNs=clock_offset_ns)
+        if _loops:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+                pass
+        else:
+            _prof = _start()
+
+
+def _start(**kwargs):
+    prof = torch.profiler.profile(**profiler_options()[0], **kwargs)
+    for key, value in _meta.items():
+        prof.preset_metadata_json(key, json.dumps(value))
+    prof.start()
+    return prof
+
+
+def step():
+    """A looping rank's next step: the first call starts its profiler, whose schedule opens the
+    window after WARMUP_STEPS and writes the trace when it closes."""
+    global _prof, _steps
+    if _on:
+        _steps += 1
+        if _prof is None:
+            _prof = _start(on_trace_ready=_write, schedule=torch.profiler.schedule(
+                wait=WARMUP_STEPS - 1, warmup=1, active=_args.profile_steps, repeat=1))
+        elif _prof:
+            _prof.step()
+
+
+def beat():
+    """Every heartbeat: a rank that does not loop stops once every looping rank's has."""
+    if _on and not _loops and _prof and _store.add(_CLOSED, 0) >= len(_args.harness.loops):
+        _stop()
+
+
+def end(seconds=None):
+    """Write what the profiler holds: at the rank's end, or, when it stops early (a lost peer, a
+    signal), within `seconds`, as a rank that ends must end; else the trace is left out."""
+    if not _on or seconds is None:
+        return _on and _stop()
+    writing = threading.Thread(target=_stop, args=(False,), daemon=True)
+    writing.start()
+    writing.join(seconds)
+    if writing.is_alive():
+        print(f"{_name}: its trace was not written within {seconds:g} s, and is left out",
+              file=sys.stderr, flush=True)
+
+
+def _stop(table=True):
+    global _prof
+    with _lock:
+        if _prof:
+            _prof.on_trace_ready = lambda prof: _write(prof, table)
+            try:
+                _prof.stop()
+            except RuntimeError:  # torch 2.4: not from another thread than its own (compat.py)
+                return
+            _prof = False
+    if _loops and _steps <= WARMUP_STEPS:
+        print(f"{_name}: --profile: the run ended after {_steps} step(s), before the window "
+              f"(steps {WARMUP_STEPS + 1}-{WARMUP_STEPS + _args.profile_steps}); no trace")
+
+
+def _write(prof, table=True):
+    """Write the trace, whole or not at all (the rank may be killed meanwhile), and say where."""
+    global _prof
+    _prof = False
+    path, part = Path(_args.profile) / f"{_name}.json", Path(_args.profile) / f".{_name}.json"
+    prof.export_chrome_trace(str(part))
+    part.replace(path)
+    window = (f"steps {WARMUP_STEPS + 1}-{min(_steps, WARMUP_STEPS + _args.profile_steps)}"
+              if _loops else "from the join until the looping ranks' windows closed")
+    threads = "" if profiler_options()[1] else (
+        f"; torch {torch.__version__} records only the thread that started the profiler, not "
+        "the threads where RPCs run")
+    line = f"{_name}: profiled {window}{threads}; wrote {path} ({path.stat().st_size // 1024} kB)"
+    if table:
+        rows = [row for row in prof.key_averages() if not row.key.startswith("ProfilerStep")]
+        line += ". Top operators:\n" + EventList(rows).table(sort_by="self_cpu_time_total",
+                                                             row_limit=5)
+    print(line, flush=True)
+    if _loops and table:
+        _store.add(_CLOSED, 1)
+
+
+def write_timeline_of_every_rank(names):
+    """On rank 0 at the end: merge this run's traces in --profile's folder, or say how."""
+    if not _on:
+        return
+    folder, traces = Path(_args.profile), {}
+    for name in names:
+        path = folder / f"{name}.json"
+        trace = json.loads(path.read_text()) if path.exists() else {}
+        if trace.get("run") == _meta["run"]:
+            traces[name] = trace
+    missing = [name for name in names if name not in traces]
+    print(f"{_name}: " + (write_timeline(folder, traces) if not missing else
+                          f"the traces of {', '.join(missing)} are not in {folder} here (written "
+                          f"on their machines): put every rank's trace in one folder and run "
+                          f"`python -m rpc_harness.profiling FOLDER` to merge them"))
+
+
+def write_timeline(folder, traces):
+    """Merge `traces` (a rank's name -> its trace, in rank order) into folder's timeline.json."""
+    path = Path(folder) / TIMELINE
+    path.write_text(json.dumps(merge(traces)))
+    return (f"wrote the timeline of {len(traces)} ranks to {path} "
+            f"({path.stat().st_size // 1024} kB): open it in https://ui.perfetto.dev")
+
+
+def merge(traces):
+    """One Chrome trace of every rank's (a rank's name -> its trace, whose clockOffsetNs says how
+    far its clock is ahead of rank 0's): a track per rank, in rank order, its threads (and a
+    GPU's streams) as rows, on one clock."""
+    base_ns = min(trace.get("baseTimeNanoseconds", 0) for trace in traces.values())
+    events = []
+    for rank, (name, trace) in enumerate(traces.items()):
+        # times are in microseconds after the trace's baseTimeNanoseconds
+        shift_us = (trace.get("baseTimeNanoseconds", 0) - base_ns
+                    - trace.get("clockOffsetNs", 0)) / 1e3
+        events += [{"ph": "M", "name": "process_name", "pid": rank, "args": {"name": name}},
+                   {"ph": "M", "name": "process_sort_index", "pid": rank,
+                    "args": {"sort_index": rank}}]
+        # each process's own metadata gives way to the rank's; the profiler's bookkeeping
+        # ("Spans", the window's end) has no integer pid, and nothing of the work
+        events += [{**event, "pid": rank, **({"ts": float(event["ts"]) + shift_us}
+                                             if "ts" in event else {})}
+                   for event in trace["traceEvents"] if isinstance(event.get("pid"), int)
+                   and not event.get("name", "").startswith("process_")]
+    return {"traceEvents": events, "displayTimeUnit": "ms", "baseTimeNanoseconds": base_ns}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or not os.path.isdir(sys.argv[1]):
+        sys.exit("usage: python -m rpc_harness.profiling FOLDER (every rank's --profile trace)")
+    found = [json.loads(path.read_text()) for path in Path(sys.argv[1]).glob("*.json")]
+    found = sorted((trace for trace in found if "rankName" in trace), key=lambda t: t["rank"])
+    print(write_timeline(sys.argv[1], {trace["rankName"]: trace for trace in found}))

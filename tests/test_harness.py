@@ -1,0 +1,657 @@
+"""The harness (rpc_harness), tested once, against one or two examples: the command line, the
+join (who waits where, flags compared, a taken rank, missing ranks), lost peers, signals,
+torchrun, several hosts, loopback-only listeners, --profile's merge; and what every example
+keeps: the tutorial's calls in main.py, no import cycles, its line budget. Everything that
+starts processes against a run in progress is marked slow."""
+
+import ast
+import io
+import ipaddress
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import ROOT, TCP, _processes, example_command, find_free_port, load_example
+
+from rpc_harness import launch, rendezvous
+from rpc_harness.compat import profiler_options
+
+# How long the other ranks may take to exit after one is killed. Measured: well under a second
+# when the machine is idle (a dead process's connections close at once); the bound leaves room
+# for a loaded 2-core CI machine.
+EXIT_BOUND_SECONDS = 20
+
+rl = load_example("rl_cartpole")  # the example that starts quickest
+
+
+# --------- The command line, in-process --------------------
+
+GENERIC_BAD_INPUTS = [
+    (["--world_size", "1"], "must be at least 2"),
+    (["--world_size", "x"], "invalid integer"),
+    (["--rank", "-1"], "must be at least 0"),
+    (["--rank", "64"], "outside a world of"),
+    (["--seed", "-3"], "must be at least 0"),
+    (["--master_port", "0"], "from 1 to 65535"),
+    (["--master_port", "99999"], "from 1 to 65535"),
+    (["--master_port", "http"], "invalid port"),
+    (["--init_timeout", "-5"], "greater than 0"),
+    (["--rpc_timeout", "nan"], "greater than 0"),
+    (["--world", "3"], "unrecognized arguments: --world 3"),  # no abbreviations
+    (["--master_addr", "a..b"], "--master_addr a..b: no such host"),
+    (["--profile", str(Path(__file__))], "a file is there; give a folder"),
+    (["--profile_steps", "0"], "must be at least 1"),
+]
+
+
+def _child_processes():
+    return _processes(lambda stat: stat[1] == os.getpid())
+
+
+@pytest.mark.parametrize("flags, expected", GENERIC_BAD_INPUTS,
+                         ids=[" ".join(flags) for flags, _ in GENERIC_BAD_INPUTS])
+def test_bad_input_exits_2_with_one_line_and_starts_nothing(capsys, flags, expected):
+    before = _child_processes()
+    with pytest.raises(SystemExit) as exited:
+        rl.main(["--master_port", str(find_free_port()), *flags])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert expected in err
+    assert not multiprocessing.active_children() and _child_processes() == before
+
+
+def test_busy_port_is_one_line_naming_it(capsys):
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exited:
+            rl.main(["--master_port", str(port)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert f":{port}" in err and "--master_port" in err
+
+
+def test_the_flags_that_must_agree(monkeypatch):
+    """Every flag but those of a rank's own machine is compared at the join, and the script that
+    runs (main.py, or a variant's entry point), so that a rank of another program is refused."""
+    monkeypatch.setattr(sys, "argv", ["/somewhere/batch.py"])
+    args = rl.parse_args(["--rank", "1", "--master_port", str(find_free_port()),
+                          "--summary_json", "s.json", "--threads", "2", "--gamma", "0.5"])
+    flags = args.harness.flags
+    assert flags["script"] == "batch.py" and flags["gamma"] == 0.5 and flags["world_size"] == 2
+    assert not set(flags) & {"rank", "master_port", "summary_json", "threads", "torchrun"}
+    assert args.harness.names == ["agent", "observer1"] and args.harness.loops == [0]
+
+
+def test_the_line_for_flags_that_differ_names_every_rank_and_flag():
+    """Rank 0 and two ranks that differ from it in other ways; each named by its own program,
+    the world size first."""
+    claims = {0: {"name": "parameter_server", "flags": {"script": "main.py", "world_size": 3,
+                                                        "lr": 0.03}},
+              1: {"name": "trainer1", "flags": {"script": "batch.py", "world_size": 3,
+                                                "lr": 0.03}},
+              2: {"name": "trainer_2", "flags": {"script": "main.py", "world_size": 4,
+                                                 "lr": 0.1}}}
+    assert rendezvous._differences(claims) == (
+        "the ranks were started with different flags: script is main.py on rank 0 "
+        "(parameter_server) but batch.py on rank 1 (trainer1); --world_size is 3 on rank 0 "
+        "(parameter_server) but 4 on rank 2 (trainer_2); --lr is 0.03 on rank 0 "
+        "(parameter_server) but 0.1 on rank 2 (trainer_2); start every rank with the same values")
+    assert rendezvous._differences({0: claims[0], 3: claims[0]}) == ""
+
+
+@pytest.mark.parametrize("rank, threads, environ, expected", [
+    (None, None, {}, {0: 2, 1: 1, 2: 1}),  # 2 cores: the heavy rank 0 gets both
+    (None, 3, {}, {0: 3, 1: 3, 2: 3}),  # --threads
+    (None, None, {"OMP_NUM_THREADS": "4"}, {0: 4, 1: 4, 2: 4}),
+    (1, None, {}, {0: 2, 1: 1, 2: 1}),  # --rank on loopback: every rank on this machine
+])
+def test_each_rank_gets_its_share_of_the_cores(monkeypatch, rank, threads, environ, expected):
+    monkeypatch.setattr(launch, "_cores", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    command = SimpleNamespace(world_size=3, rank=rank, master_addr="localhost", torchrun=False,
+                              threads=threads, harness=SimpleNamespace(heavy=[0]))
+    assert launch._thread_counts(command) == expected
+
+
+def test_a_python_without_the_harness_is_told_how_to_set_up():
+    """-S: no site-packages, where `make run` installs rpc_harness (and torch)."""
+    done = subprocess.run([sys.executable, "-S", ROOT / "param_server" / "main.py"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == ("rpc_harness is missing: run `make run` in the repository once, then "
+                           "use .venv/bin/python (README.md)\n")
+
+
+def test_the_merge_command_makes_the_timeline_of_a_folder_of_traces(tmp_path):
+    """`python -m rpc_harness.profiling FOLDER`, which a rank 0 that cannot read the others'
+    traces names: one timeline of the traces in the folder, a track per rank in rank order."""
+    for rank, name in ((1, "trainer_1"), (0, "parameter_server")):
+        (tmp_path / f"{name}.json").write_text(json.dumps({
+            "rank": rank, "rankName": name, "baseTimeNanoseconds": 10**9, "traceEvents": [
+                {"ph": "M", "name": "process_labels", "pid": 7 + rank, "args": {"labels": "CPU"}},
+                {"ph": "X", "name": "aten::mm", "pid": 7 + rank, "tid": 1, "ts": 5, "dur": 1}]}))
+    (tmp_path / "other.json").write_text("{}")  # not a trace of ours: left out
+    done = subprocess.run([sys.executable, "-m", "rpc_harness.profiling", tmp_path],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "wrote the timeline of 2 ranks" in done.stdout
+    events = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    tracks = sorted((e["pid"], e["args"]["name"]) for e in events if e["name"] == "process_name")
+    assert [name for _, name in tracks] == ["parameter_server", "trainer_1"]
+
+
+class _RecordedWrites(io.RawIOBase):
+    def __init__(self):
+        self.writes = []
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        self.writes.append(bytes(data))
+        return len(data)
+
+
+def test_each_printed_line_is_one_write(monkeypatch):
+    """Under PYTHONUNBUFFERED (as the tests run the examples), print("a", 1) wrote "a", " ",
+    "1" and a newline separately, and two ranks' lines ran into each other in the log."""
+    raw = _RecordedWrites()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, write_through=True))
+    launch._whole_lines()
+    print("Training done for epoch", 0)
+    print("next")
+    assert raw.writes == [b"Training done for epoch 0\n", b"next\n"]
+
+
+# --------- What every example keeps --------------------
+
+EXAMPLES = ["param_server", "rl_cartpole", "rnn_model_parallel", "ddp_rpc_hybrid",
+            "pipeline_parallel", "rpc_profiling"]
+# Each example's entry points: main.py, and a variant's script of its own.
+ENTRY_POINTS = [f"{example}/{script}" for example in EXAMPLES for script in
+                ("main.py", "batch.py", "remote_module.py") if (ROOT / example / script).exists()]
+
+
+def test_every_example_is_covered():
+    assert {p.name for p in ROOT.iterdir() if (p / "main.py").exists()} == set(EXAMPLES)
+
+
+def test_the_harness_is_one_package_within_its_budget():
+    """One copy, at the root (no launch.py or profiling.py in an example's folder), and small."""
+    assert not [path for example in EXAMPLES for path in (ROOT / example).glob("*.py")
+                if path.name in ("launch.py", "profiling.py")]
+    lines = sum(len(path.read_text().splitlines()) for path in (ROOT / "rpc_harness").glob("*.py"))
+    assert lines <= 700, lines
+
+
+# The most lines each main.py may have (about 1.3 times upstream's; rnn_model_parallel's
+# counts rnn.py too, a file of its own upstream).
+LINE_BUDGETS = {"param_server": 370, "rl_cartpole": 275, "rnn_model_parallel": 255,
+                "ddp_rpc_hybrid": 280, "pipeline_parallel": 310,
+                "rpc_profiling": 260}  # the recipe's 60 lines, then the way that works today
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_main_py_within_its_line_budget(example):
+    files = ["main.py", "rnn.py"] if example == "rnn_model_parallel" else ["main.py"]
+    lines = sum(len((ROOT / example / name).read_text().splitlines()) for name in files)
+    assert lines <= LINE_BUDGETS[example], (example, lines)
+
+
+def _calls(tree):
+    return [ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)]
+
+
+@pytest.mark.parametrize("path", ENTRY_POINTS)
+def test_each_entry_point_makes_the_tutorials_calls(path):
+    """rpc.init_rpc(...) and rpc.shutdown() (dist.init_process_group(...) too where the tutorial
+    has it) as the tutorial writes them; the ranks start with rpc_harness.spawn(...), the
+    tutorial's mp.spawn or mp.Process given in a `# tutorial:` comment just above it."""
+    source = (ROOT / path).read_text()
+    calls = _calls(ast.parse(source))
+    defines_workers = "rpc.init_rpc" in calls
+    assert defines_workers == ("rpc.shutdown" in calls), path
+    if path.endswith("main.py"):
+        assert defines_workers, path
+    if path == "ddp_rpc_hybrid/main.py":
+        assert "dist.init_process_group" in calls
+    assert not re.search(r"^\s*import launch|launch\.\w+\(", source, re.M), path
+    spawn = re.search(r"^((?:\s*#.*\n)+)\s*rpc_harness\.spawn\(", source, re.M)
+    assert spawn and re.search(r"# tutorial: .*\b(mp\.spawn|mp\.Process)\(", spawn.group(1)), path
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_no_module_imports_the_script_that_runs(example):
+    """From each entry point, the modules of its folder that it imports, and theirs, never lead
+    back to it: a script imported as a module would load a second time, with a second copy of
+    every class and global."""
+    folder = ROOT / example
+    local = {path.stem for path in folder.glob("*.py")}
+    imports = {}
+    for path in folder.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imports[path.stem] = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                              for alias in node.names} | {
+            node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imports[path.stem] &= local
+    for entry in ("main", "batch", "remote_module"):
+        if entry not in local:
+            continue
+        reached, todo = set(), list(imports[entry])
+        while todo:
+            module = todo.pop()
+            if module not in reached:
+                reached.add(module)
+                todo.extend(imports[module])
+        assert entry not in reached, (example, entry, reached)
+
+
+def test_every_example_that_loops_marks_its_steps_for_profile():
+    """--profile's window counts the steps of the ranks that loop: every example but the
+    recipe's own (rpc_profiling profiles itself) calls profile_step() in its loops."""
+    for example in EXAMPLES:
+        sources = " ".join(path.read_text() for path in (ROOT / example).glob("*.py"))
+        assert ("rpc_harness.profile_step()" in sources) == (example != "rpc_profiling"), example
+        assert ("loops=lambda" in sources) == (example != "rpc_profiling"), example
+
+
+# --------- Runs --------------------
+
+@dataclass
+class Example:
+    name: str
+    world_size: int  # the smallest world that has every role
+    quick: list  # flags for a short complete run
+    endless: list  # flags for a run that lasts until it is killed
+    roles: dict  # rank -> worker name
+    working: str  # a line that shows the run is under way
+    script: str = "main.py"
+
+
+RUNS = {
+    "param_server": Example(
+        "param_server", 2, ["--dataset", "synthetic", "--max_batches", 5],
+        ["--dataset", "synthetic", "--epochs", 1000], {0: "parameter_server", 1: "trainer_1"},
+        r"^Rank 1 training batch"),
+    "param_server/batch.py": Example(
+        "param_server", 3, ["--dataset", "synthetic", "--max_batches", 5],
+        ["--dataset", "synthetic", "--epochs", 1000], {0: "ps", 1: "trainer1"},
+        r"^Rank 1 training batch", script="batch.py"),
+    "rl_cartpole": Example(
+        "rl_cartpole", 2, ["--max_episodes", 5], ["--max_episodes", 100000, "--log_interval", 1],
+        {0: "agent", 1: "observer1"}, r"^Episode 1\t"),
+    "rnn_model_parallel": Example(
+        "rnn_model_parallel", 2, ["--epochs", 1, "--max_batches", 20], ["--epochs", 100000],
+        {0: "ps", 1: "trainer"}, r"^Training epoch 0"),
+    "ddp_rpc_hybrid": Example(
+        "ddp_rpc_hybrid", 3, ["--epochs", 2], ["--epochs", 100000],
+        {0: "trainer0", 1: "master", 2: "ps"}, r"^Training done for epoch"),
+    "ddp_rpc_hybrid/remote_module.py": Example(
+        "ddp_rpc_hybrid", 3, ["--epochs", 2], ["--epochs", 100000],
+        {0: "trainer0", 1: "master", 2: "ps"}, r"^Training done for epoch",
+        script="remote_module.py"),
+    "pipeline_parallel": Example(
+        "pipeline_parallel", 3, ["--num_split", 2, "--num_batches", 2, "--batch_size", 4],
+        ["--num_split", 2, "--num_batches", 100000, "--batch_size", 4],
+        {0: "master", 1: "worker1", 2: "worker2"}, r"^Processing batch 1$"),
+}
+
+
+def start(runs, key, *flags, rank=None, endless=False, **kwargs):
+    config = RUNS[key]
+    return runs.start(config.name, *(config.endless if endless else config.quick),
+                      "--world_size", config.world_size, *flags,
+                      *(() if rank is None else ("--rank", rank)), script=config.script, **kwargs)
+
+
+def _wait_any(processes, pattern, timeout=90):
+    deadline = time.monotonic() + timeout
+    while not any(re.search(pattern, p.output, re.M) for p in processes):
+        assert time.monotonic() < deadline, "the run never got under way"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_bad_input_on_the_real_command_line(runs):
+    run = runs.start("rl_cartpole", "--world_size", "1").wait(timeout=60)
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.stderr.strip().splitlines()) == 1 and "must be at least" in run.stderr
+    assert not run.leftovers(grace=0)
+
+
+# --------- Loopback only --------------------
+
+def _listening_sockets():
+    """{socket inode: (address, port)} of every listening TCP socket in this network namespace."""
+    listening = {}
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        if not Path(table).exists():
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A":  # TCP_LISTEN
+                continue
+            hex_addr, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_addr)
+            # /proc shows addresses as 32-bit words in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+            listening[fields[9]] = (ipaddress.ip_address(raw), int(hex_port, 16))
+    return listening
+
+
+def _sockets_of(pid):
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def assert_listening_on_loopback_only(run, world_size):
+    """Every listening socket of a run's processes is on a loopback address."""
+    listening = _listening_sockets()
+    pids = _processes(lambda stat: stat[2] == run.proc.pid)
+    ours = {listening[inode] for pid in pids for inode in _sockets_of(pid) if inode in listening}
+    assert len(ours) >= world_size  # the rendezvous, plus each rank's own listeners
+    assert all(address.is_loopback for address, _ in ours), sorted(map(str, ours))
+
+
+# --------- A rank killed mid-run --------------------
+
+# One run each, the victim a rank of a kind that the others wait for in another way: in RPC
+# calls (param_server's trainers), for a model that needs the dead trainer's gradients
+# (batch.py), in an allreduce and for the trainers' loops (ddp_rpc_hybrid), ps holding the
+# RemoteModule (remote_module.py), the micro-batches of a shard (pipeline_parallel); and under
+# spawn-all, where the command that started them stops every rank alike.
+KILL_CASES = [("param_server", 1, "per-rank"), ("param_server/batch.py", 1, "per-rank"),
+              ("ddp_rpc_hybrid", 0, "per-rank"), ("ddp_rpc_hybrid/remote_module.py", 2, "per-rank"),
+              ("pipeline_parallel", 1, "per-rank"), ("rl_cartpole", 1, "spawn-all"),
+              ("ddp_rpc_hybrid", 2, "spawn-all")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key, victim, mode", KILL_CASES,
+                         ids=[f"{k}-{RUNS[k].roles[r]}-{m}" for k, r, m in KILL_CASES])
+def test_killed_rank_stops_every_other_rank(key, victim, mode, runs):
+    """SIGKILL one rank mid-run: every other process exits non-zero within the bound, naming
+    the lost peer, in one line, and nothing is left running. Spawn-all runs also check that
+    nothing listens beyond loopback."""
+    config = RUNS[key]
+    port = find_free_port()
+    if mode == "spawn-all":
+        launcher = start(runs, key, "--master_port", port, endless=True)
+        launcher.wait_for_output(config.working, timeout=90)
+        assert_listening_on_loopback_only(launcher, config.world_size)
+        ranks = launcher.children()
+        assert len(ranks) == config.world_size
+        survivors, victim_pid = [launcher], ranks[victim]
+    else:
+        processes = [start(runs, key, "--master_port", port, rank=rank, endless=True)
+                     for rank in range(config.world_size)]
+        _wait_any(processes, config.working)
+        survivors = [p for rank, p in enumerate(processes) if rank != victim]
+        victim_pid = processes[victim].proc.pid
+    killed_at = time.monotonic()
+    os.kill(victim_pid, signal.SIGKILL)
+    victim_name = config.roles[victim]
+    for survivor in survivors:
+        survivor.wait(timeout=EXIT_BOUND_SECONDS + 30)
+        took = time.monotonic() - killed_at
+        assert survivor.returncode == 1, survivor.output
+        assert took < EXIT_BOUND_SECONDS, f"exited {took:.1f} s after the kill"
+        assert not survivor.leftovers()
+        # one line: none of torch's C++ warnings or traces about it
+        assert not re.search(r"^\[W|frame #|Traceback", survivor.stderr, re.M), survivor.stderr
+        if mode == "spawn-all":
+            assert survivor.stderr.endswith(f"{victim_name} (rank {victim}) was killed by "
+                                            "SIGKILL; stopped the other ranks\n"), survivor.stderr
+        else:  # the rank that went first, whichever rank told
+            assert re.search(rf"lost contact with {victim_name} \(rank {victim}, .*\); stopping\n$",
+                             survivor.stderr), survivor.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["per-rank", "spawn-all"])
+def test_a_rank_killed_while_profiling_loses_only_its_own_trace(mode, runs, tmp_path):
+    """--profile with the windows open for the whole run: SIGKILL trainer_2, and the parameter
+    server and trainer_1, which end as above (a lost peer, or stopped by the launcher), first
+    write what their profilers hold, whole (where this torch lets another thread stop the
+    profiler)."""
+    traces = tmp_path / "traces"
+    common = ["--world_size", 3, "--log_interval", 5, "--profile", traces,
+              "--profile_steps", 100000, "--master_port", find_free_port()]
+    windows_open = r"^Rank 2 training batch 5 "  # the trainers' windows open after 2 steps
+    if mode == "spawn-all":
+        launcher = start(runs, "param_server", *common, endless=True)
+        launcher.wait_for_output(windows_open, timeout=90)
+        survivors, victim_pid = [launcher], launcher.children()[2]
+    else:
+        processes = [start(runs, "param_server", *common, rank=rank, endless=True)
+                     for rank in range(3)]
+        _wait_any(processes, windows_open)
+        survivors, victim_pid = processes[:2], processes[2].proc.pid
+    os.kill(victim_pid, signal.SIGKILL)
+    for survivor in survivors:
+        survivor.wait(timeout=EXIT_BOUND_SECONDS + 30)
+        assert survivor.returncode == 1 and not survivor.leftovers()
+    if not profiler_options()[1]:
+        assert not list(traces.glob("*.json"))
+        pytest.skip("a rank that stops early writes its trace from a thread of its own; this "
+                    "torch's profiler can be stopped only by the thread that started it")
+    for name in ("parameter_server", "trainer_1"):
+        path = traces / f"{name}.json"
+        assert path.exists(), "".join(survivor.output for survivor in survivors)
+        assert json.loads(path.read_text())["rankName"] == name
+    assert sorted(path.name for path in traces.iterdir()) == ["parameter_server.json",
+                                                              "trainer_1.json"]  # no parts
+
+
+@pytest.mark.slow
+def test_killed_launcher_takes_its_ranks_with_it(runs):
+    """SIGKILL the command that started every rank: the ranks end too, instead of running on
+    unseen."""
+    launcher = start(runs, "rnn_model_parallel", "--master_port", find_free_port(), endless=True)
+    launcher.wait_for_output(RUNS["rnn_model_parallel"].working, timeout=90)
+    assert len(launcher.children()) == 2
+    os.kill(launcher.proc.pid, signal.SIGKILL)
+    launcher.proc.wait(timeout=10)
+    assert not launcher.leftovers(grace=EXIT_BOUND_SECONDS)
+
+
+# --------- One terminal per rank: waiting, missing ranks, interrupting, flags that differ -----
+
+WAITING = r"^\S+ \(rank \d+ of \d+\): waiting for the other ranks at localhost:\d+, up to 60 s$"
+
+
+@pytest.mark.slow
+def test_missing_ranks_are_named_after_init_timeout(runs):
+    """Rank 0 (which hosts the rendezvous) alone, and the last rank alone, for an example that
+    only joins RPC and for one whose trainers first meet in a process group."""
+    alone = [start(runs, key, "--master_port", find_free_port(), "--init_timeout", 2, rank=rank)
+             for key in LAUNCH_EXAMPLES for rank in (0, RUNS[key].world_size - 1)]
+    expected = ["trainer_1 (rank 1) did not join at localhost:",
+                "parameter_server (rank 0) did not come: nothing answered at localhost:",
+                "master (rank 1), ps (rank 2) did not join at localhost:",
+                "trainer0 (rank 0) did not come: nothing answered at localhost:"]
+    for run, missing in zip(alone, expected, strict=True):
+        run.wait(timeout=90)
+        assert run.returncode == 1, run.output
+        assert run.stderr.count("\n") == 1 and missing in run.stderr, run.stderr
+        assert "within 2 s (--init_timeout)" in run.stderr, run.stderr
+        assert not run.leftovers()
+
+
+@pytest.mark.slow
+def test_a_waiting_rank_ends_at_once_on_ctrl_c_or_sigterm(runs):
+    """A rank alone, waiting for the others (rank 0, which hosts the rendezvous, and a rank that
+    waits to reach it), ends within 2 s of SIGINT (Ctrl-C) or SIGTERM with one line."""
+    cases = [("param_server", 0, signal.SIGINT, "parameter_server"),
+             ("rl_cartpole", 1, signal.SIGINT, "observer1"),
+             ("ddp_rpc_hybrid", 2, signal.SIGTERM, "ps")]
+    started = [start(runs, key, "--master_port", find_free_port(), rank=rank)
+               for key, rank, _, _ in cases]
+    for run, (_, _, number, name) in zip(started, cases, strict=True):
+        run.wait_for_output(WAITING, timeout=90)
+        time.sleep(0.5)  # well into the wait, not at its first step
+        sent = time.monotonic()
+        run.proc.send_signal(number)
+        run.wait(timeout=30)
+        assert time.monotonic() - sent < 2, run.output
+        assert run.returncode == 128 + number
+        suffix = "" if number == signal.SIGINT else " (SIGTERM)"
+        assert run.stderr == f"{name}: interrupted{suffix}\n", run.stderr
+        assert not run.leftovers(grace=0)
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_run(runs):
+    """Ctrl-C mid-run: to one rank in its terminal (ddp_rpc_hybrid's master, which waits in
+    torch's C++ code for the trainers' whole loops), and to every process of a spawn-all run,
+    as a terminal sends it."""
+    port = find_free_port()
+    ranks = [start(runs, "ddp_rpc_hybrid", *TCP, "--master_port", port, rank=rank, endless=True)
+             for rank in range(3)]
+    spawn_all = start(runs, "rl_cartpole", *TCP, "--master_port", find_free_port(), endless=True)
+    _wait_any(ranks, RUNS["ddp_rpc_hybrid"].working)
+    spawn_all.wait_for_output(RUNS["rl_cartpole"].working, timeout=90)
+    sent = time.monotonic()
+    ranks[1].proc.send_signal(signal.SIGINT)
+    os.killpg(spawn_all.proc.pid, signal.SIGINT)
+    for run in (ranks[1], spawn_all):
+        run.wait(timeout=30)
+        assert time.monotonic() - sent < 2 and run.returncode == 130, run.output
+    assert ranks[1].stderr == "master: interrupted\n", ranks[1].stderr
+    assert spawn_all.stderr == "interrupted; stopped every rank\n", spawn_all.stderr
+    for survivor in (ranks[0], ranks[2]):
+        survivor.wait(timeout=EXIT_BOUND_SECONDS + 30)
+        assert survivor.returncode == 1 and "lost contact with master" in survivor.stderr
+    for run in runs:
+        assert not run.leftovers()
+
+
+@pytest.mark.slow
+def test_ranks_with_different_flags_end_at_once_naming_the_flag(runs):
+    """Rank 0 and one rank that differs from it, while a third rank is still missing: both end
+    at once, each with the same line naming the flag, both values and both ranks (the variant's
+    own names for its ranks), status 2. Then a world size that differs."""
+    port = find_free_port()
+    batch = [start(runs, "param_server", "--world_size", 3, "--master_port", port, rank=0),
+             start(runs, "param_server/batch.py", "--master_port", port, rank=1)]
+    port = find_free_port()
+    worlds = [start(runs, "rl_cartpole", "--master_port", port, rank=0),
+              start(runs, "rl_cartpole", "--world_size", 3, "--master_port", port, rank=2)]
+    for ranks, expected in ((batch, "script is main.py on rank 0 (parameter_server) but batch.py "
+                                    "on rank 1 (trainer1)"),
+                            (worlds, "--world_size is 2 on rank 0 (agent) but 3 on rank 2 "
+                                     "(observer2)")):
+        for run in ranks:
+            run.wait_for_output(WAITING, timeout=90)
+        everyone_started = time.monotonic()
+        for run in ranks:
+            run.wait(timeout=60)
+            assert time.monotonic() - everyone_started < 10, run.output
+            assert run.returncode == 2, run.output
+            assert run.stderr.count("\n") == 1 and expected in run.stderr, run.stderr
+            assert "start every rank with the same values" in run.stderr
+            assert not run.leftovers(grace=0)
+
+
+@pytest.mark.slow
+def test_a_rank_started_twice_is_told_it_is_taken(runs):
+    port = find_free_port()
+    agent = start(runs, "rl_cartpole", "--master_port", port, rank=0)
+    first = start(runs, "rl_cartpole", "--master_port", port, rank=1)
+    first.wait_for_output(r"^observer1: joined", timeout=90)
+    second = start(runs, "rl_cartpole", "--master_port", port, rank=1).wait(timeout=60)
+    assert second.returncode == 2
+    assert re.search(r"^observer1: rank 1 is taken: process \d+ on \S+ joined as rank 1 first; "
+                     r"give every rank its own --rank\n\Z", second.stderr, re.M), second.stderr
+    for run in (agent, first):
+        run.wait(timeout=60)
+        assert run.returncode == 0, run.output
+
+
+# --------- torchrun, and several hosts --------------------
+
+# param_server: a heavy rank's threads; ddp_rpc_hybrid: a process group beside RPC.
+LAUNCH_EXAMPLES = ("param_server", "ddp_rpc_hybrid")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", LAUNCH_EXAMPLES)
+def test_torchrun_runs_every_rank(key, runs, tmp_path):
+    config = RUNS[key]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                str(config.world_size), "--master_port", str(find_free_port())]
+    script = example_command(config.name, *config.quick, "--summary_json",
+                             tmp_path / "summary.json")
+    run = runs.start_command([*torchrun, *script[1:]]).wait(timeout=120)
+    assert run.returncode == 0, run.output
+    assert json.loads((tmp_path / "summary.json").read_text())["world_size"] == config.world_size
+    assert not run.leftovers()
+
+
+def _ip(*args, check=True):
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair, with private addresses: two 'machines'."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("needs root and iproute2's ip to create network namespaces")
+    tag = f"{os.getpid() % 10000}"
+    hosts = [f"rpcA{tag}", f"rpcB{tag}"]
+    subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+    addresses = [f"{subnet}.1", f"{subnet}.2"]
+    try:
+        for host in hosts:
+            _ip("netns", "add", host)
+        _ip("link", "add", f"ve{tag}a", "type", "veth", "peer", "name", f"ve{tag}b")
+        for host, end, address in zip(hosts, "ab", addresses, strict=True):
+            _ip("link", "set", f"ve{tag}{end}", "netns", host)
+            _ip("-n", host, "addr", "add", f"{address}/24", "dev", f"ve{tag}{end}")
+            _ip("-n", host, "link", "set", f"ve{tag}{end}", "up")
+            _ip("-n", host, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as err:
+        for host in hosts:
+            _ip("netns", "del", host, check=False)
+        pytest.skip(f"cannot create network namespaces here: {err.stderr.strip()}")
+    yield list(zip(hosts, addresses, strict=True))
+    for host in hosts:
+        for pid in _ip("netns", "pids", host, check=False).stdout.split():
+            os.kill(int(pid), signal.SIGKILL)
+        _ip("netns", "del", host, check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", LAUNCH_EXAMPLES)
+def test_ranks_on_two_hosts(key, two_hosts, runs, tmp_path):
+    (host_a, addr_a), (host_b, _) = two_hosts
+    common = ["--master_addr", addr_a, "--master_port", find_free_port(),
+              "--summary_json", tmp_path / "summary.json"]
+    processes = [start(runs, key, *common, rank=rank,
+                       prefix=["ip", "netns", "exec", host_a if rank == 0 else host_b])
+                 for rank in range(RUNS[key].world_size)]
+    for process in processes:
+        process.wait(timeout=120)
+        assert process.returncode == 0, process.output
+    assert (tmp_path / "summary.json").exists()
