@@ -3,7 +3,6 @@ torchrun names, each with its share of the cores; Ctrl-C or SIGTERM ends a rank 
 
 import ctypes
 import io
-import multiprocessing.connection
 import os
 import platform
 import signal
@@ -18,28 +17,41 @@ from . import cli, profiling, rendezvous
 
 def spawn(fn, args=(), nprocs=1, join=True):
     """torch.multiprocessing.spawn(fn, args, nprocs, join=True) for the command line that
-    parse_args() read: fn(rank, *args) for every rank, each in a process of its own, or here for
-    the one that --rank or torchrun names. Not mp.spawn itself: each rank must start with its own
-    share of the cores (OMP_NUM_THREADS, read as torch loads) and end with the command that
-    started it, even a killed one; and a failure must name the rank that failed first."""
+    parse_args() read: fn(rank, *args) for every rank, rank 0 in this process and the others in
+    processes of their own, which end with it; or only the rank that --rank or torchrun names.
+    Not mp.spawn itself: each rank must start with its own share of the cores (OMP_NUM_THREADS,
+    read as torch loads), and every rank end with the command, even a killed one."""
     if not join:
         raise ValueError("spawn() waits for its ranks: join=True")
-    command = cli.parsed
+    command, children = cli.parsed, []
     threads = _thread_counts(command)
     if command.rank is None:
-        _spawn_all(fn, args, nprocs, command, threads)
-    name = command.harness.names[command.rank]
-    torch.set_num_threads(threads[command.rank])
-    print(f"{name}: {threads[command.rank]} intra-op thread(s) on {_cores()} core(s) (--threads "
-          "or OMP_NUM_THREADS to change)")
-    _end_on_signals(name, (signal.SIGINT, signal.SIGTERM))
-    _run_rank(command.rank, fn, args, command)
+        command.harness.spawned = True
+        print("Threads: " + ", ".join(f"{command.harness.names[rank]} {count}"
+                                      for rank, count in threads.items())
+              + f" (on {_cores()} core(s); --threads or OMP_NUM_THREADS to change)")
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: Ctrl-C is rank 0's to handle
+        saved = os.environ.get("OMP_NUM_THREADS")
+        for rank in range(1, nprocs):
+            os.environ["OMP_NUM_THREADS"] = str(threads[rank])
+            children.append(mp.get_context("spawn").Process(
+                target=_spawned_rank, args=(rank, fn, args, command, os.getpid())))
+            children[-1].start()
+        os.environ.pop("OMP_NUM_THREADS") if saved is None else os.environ.update(
+            OMP_NUM_THREADS=saved)
+    rank = command.rank or 0
+    torch.set_num_threads(threads[rank])
+    if command.rank is not None:
+        print(f"{command.harness.names[rank]}: {threads[rank]} intra-op thread(s) on {_cores()} "
+              "core(s) (--threads or OMP_NUM_THREADS to change)")
+    _end_on_signals(command.harness.names[rank], (signal.SIGINT, signal.SIGTERM))
+    _run_rank(rank, fn, args, command, children)
 
 
-def _run_rank(rank, fn, fn_args, command):
+def _run_rank(rank, fn, fn_args, command, children=()):
     _whole_lines()
     _keep_freed_memory()
-    rendezvous.this_rank(command, rank)
+    rendezvous.this_rank(command, rank, children)
     try:
         fn(rank, *fn_args)
     except Exception as err:  # noqa: BLE001 - reported, then the process ends
@@ -56,10 +68,20 @@ def _whole_lines():
             stream.reconfigure(line_buffering=True, write_through=False)
 
 
-def _end_on_signals(name, signals, quiet=False):
-    """End at once on one of `signals`, its trace written, with a line unless quiet. A Python
-    handler waits for the main thread to come back to Python, which may take a whole join or
-    epoch; but each signal is written to the wakeup fd at once, which a thread here reads."""
+def _spawned_rank(rank, fn, fn_args, command, parent):
+    """A rank that spawn() started: it ends, quietly, with the command, even a killed one."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: a SIGTERM at its end
+        if os.getppid() != parent:  # the command was gone before that
+            os._exit(1)
+    _end_on_signals(None, (signal.SIGTERM,))
+    _run_rank(rank, fn, fn_args, command)
+
+
+def _end_on_signals(name, signals):
+    """End at once on one of `signals`, the trace written, with a line if the rank has a `name`.
+    A Python handler waits for the main thread to come back to Python, which may take a whole
+    join or epoch; but each signal is written to the wakeup fd at once, which a thread reads."""
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     signal.set_wakeup_fd(write_end)
@@ -70,80 +92,12 @@ def _end_on_signals(name, signals, quiet=False):
         while (number := os.read(read_end, 1)[0]) not in signals:
             pass
         profiling.end(seconds=3.0)
-        if not quiet:
-            print(f"{name}: {interrupted(number)}", file=sys.stderr, flush=True)
+        if name:
+            print(f"{name}: interrupted" + ("" if number == signal.SIGINT else " (SIGTERM)"),
+                  file=sys.stderr, flush=True)
         os._exit(128 + number)
 
     threading.Thread(target=wait_for_a_signal, daemon=True, name="signals").start()
-
-
-def interrupted(number):
-    return "interrupted" + ("" if number == signal.SIGINT else " (SIGTERM)")
-
-
-def _spawn_all(fn, fn_args, nprocs, command, threads):
-    """Start every rank and wait. If one fails, stop the others, name the one that failed first
-    (killed by a signal before exiting) and exit 1, or 2 for bad input; Ctrl-C stops them all."""
-    names = command.harness.names
-    print("Threads: " + ", ".join(f"{names[rank]} {count}" for rank, count in threads.items())
-          + f" (on {_cores()} core(s); --threads or OMP_NUM_THREADS to change)")
-    command.harness.spawned = True
-    ranks = [mp.get_context("spawn").Process(target=_spawned_rank, name=names[rank],
-                                             args=(rank, fn, fn_args, command, os.getpid()))
-             for rank in range(nprocs)]
-    saved = os.environ.get("OMP_NUM_THREADS")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the ranks inherit it: this process stops them
-    for rank, process in enumerate(ranks):
-        os.environ["OMP_NUM_THREADS"] = str(threads[rank])
-        process.start()
-    os.environ.pop("OMP_NUM_THREADS") if saved is None else os.environ.update(OMP_NUM_THREADS=saved)
-    for number in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(number, _raise_keyboard_interrupt)
-    try:
-        while running := [process for process in ranks if process.exitcode is None]:
-            multiprocessing.connection.wait([process.sentinel for process in running])
-            for process in running:  # a dying process closes its files before its status is known
-                process.join(0 if process.is_alive() else 5)
-            if failed := [process for process in ranks if process.exitcode not in (None, 0)]:
-                first = min(failed, key=lambda process: process.exitcode >= 0)
-                how = (f"was killed by {signal.Signals(-first.exitcode).name}" if
-                       first.exitcode < 0 else f"exited with status {first.exitcode}")
-                _stop(ranks)
-                print(f"{first.name} (rank {ranks.index(first)}) {how}; stopped the other ranks",
-                      file=sys.stderr, flush=True)
-                os._exit(2 if first.exitcode == 2 else 1)
-    except KeyboardInterrupt as stopped:
-        _stop(ranks)
-        print(f"{interrupted(stopped.args[0])}; stopped every rank", file=sys.stderr, flush=True)
-        os._exit(128 + stopped.args[0])
-    sys.stdout.flush()
-    os._exit(0)
-
-
-def _raise_keyboard_interrupt(number, frame):
-    raise KeyboardInterrupt(number)
-
-
-def _stop(processes):
-    for process in processes:
-        if process.exitcode is None:
-            process.terminate()
-    for process in processes:
-        process.join(5)
-        if process.exitcode is None:
-            process.kill()
-            process.join()
-
-
-def _spawned_rank(rank, fn, fn_args, command, launcher_pid):
-    """A rank of _spawn_all: it dies with its launcher, even a killed one (Linux), and ends
-    quietly on the launcher's SIGTERM, its trace written."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-        if os.getppid() != launcher_pid:  # the launcher was gone before that
-            os._exit(1)
-    _end_on_signals(command.harness.names[rank], (signal.SIGTERM,), quiet=True)
-    _run_rank(rank, fn, fn_args, command)
 
 
 def _thread_counts(command):
@@ -151,7 +105,7 @@ def _thread_counts(command):
     cores, the others get 1. Under spawn-all in OMP_NUM_THREADS, read as torch loads, because
     torch.set_num_threads() sizes the calling thread's OpenMP team only, not those of RPC's
     threads, where a rank serves its calls (measured: set to 1, a convolution on another thread
-    kept two cores busy). A --rank command, its torch loaded, sets its main thread's only."""
+    kept two cores busy). Rank 0 and a --rank command, their torch loaded, set the main thread's."""
     world = range(command.world_size)
     if command.rank is None or rendezvous.is_loopback(command.master_addr):
         local = world

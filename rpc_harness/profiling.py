@@ -1,11 +1,11 @@
 """--profile DIR: each rank's torch.profiler trace, and one timeline of them all.
 
 A profiler records its own process, so each rank profiles itself. The ranks whose loops call
-profile_step() record --profile_steps steps after WARMUP_STEPS, on torch's schedule (each step a
-span ProfilerStep#N, N counting the loop's steps from 0); the others, which serve their calls,
-from the join until every looping rank's window has closed (a count in rank 0's store). Rank 0
-merges the traces at the end where the ranks share its folder; otherwise, with every rank's
-trace copied into one folder: python -m rpc_harness.profiling FOLDER"""
+profile_step() record --profile_steps steps after WARMUP_STEPS, on torch's schedule (a span
+ProfilerStep#N a step, N counting from 0); the others, which serve their calls, from the join
+until every looping rank's window has closed (a count in rank 0's store). At the end rank 0
+merges the traces where the ranks share its folder; else, with them copied into one folder:
+python -m rpc_harness.profiling FOLDER"""
 
 import json
 import os
@@ -14,7 +14,6 @@ import threading
 from pathlib import Path
 
 import torch
-from torch.autograd.profiler_util import EventList
 
 from .compat import profiler_options
 
@@ -23,16 +22,15 @@ TIMELINE = "timeline.json"
 _CLOSED = "rpc_harness/profiles_closed"
 
 _on, _loops, _steps = False, False, 0  # --profile here; this rank loops; its steps so far
-_args = _name = _store = _prof = None  # _prof: None before its start, False once written
-_meta = {}  # what the merge reads in the trace: rank, rankName, run, clockOffsetNs
-_lock = threading.Lock()  # the trace is written once, by whichever thread gets there
+_args = _name = _store = _prof = None  # _prof: None before it starts, False once written
+_meta = {}  # what the merge reads in the trace
+_lock = threading.Lock()  # the trace is written once, by whichever thread gets there first
 
 
 def begin(args, rank, name, store, run, clock_offset_ns):
-    """At the join, on the main thread: who this rank is, which run (the same on every rank),
-    how far its clock is ahead of rank 0's. A rank that does not loop starts its profiler here:
-    Kineto wants its first start on the main thread (elsewhere it prints an ERROR), torch 2.4 the
-    stop too (compat.py)."""
+    """At the join, on the main thread: a rank that does not loop starts its profiler here.
+    Kineto wants its first start on the main thread (elsewhere it prints an ERROR), torch 2.4
+    the stop too (compat.py)."""
     global _on, _args, _name, _store, _loops, _prof
     _on = bool(getattr(args, "profile", None)) and args.harness.loops is not None
     if _on:
@@ -42,7 +40,7 @@ def begin(args, rank, name, store, run, clock_offset_ns):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
                 pass
         else:
-            _prof = _start()
+            _prof = _start(on_trace_ready=_write)
 
 
 def _start(**kwargs):
@@ -54,8 +52,8 @@ def _start(**kwargs):
 
 
 def step():
-    """A looping rank's next step: the first call starts its profiler, whose schedule opens the
-    window after WARMUP_STEPS and writes the trace when it closes."""
+    """A looping rank's next step: the first starts its profiler, whose schedule opens the window
+    after WARMUP_STEPS and writes the trace when it closes."""
     global _prof, _steps
     if _on:
         _steps += 1
@@ -73,34 +71,31 @@ def beat():
 
 
 def end(seconds=None):
-    """Write what the profiler holds: at the rank's end, or, when it stops early (a lost peer, a
-    signal), within `seconds`, as a rank that ends must end; else the trace is left out."""
-    if not _on or seconds is None:
-        return _on and _stop()
-    writing = threading.Thread(target=_stop, args=(False,), daemon=True)
-    writing.start()
-    writing.join(seconds)
-    if writing.is_alive():
-        print(f"{_name}: its trace was not written within {seconds:g} s, and is left out",
-              file=sys.stderr, flush=True)
+    """Write what the profiler holds: at the rank's end; or within `seconds` if it stops early
+    (a lost peer, a signal), as a rank that ends must end, else the trace is left out."""
+    if _on and seconds is None:
+        _stop()
+    elif _on:
+        writing = threading.Thread(target=_stop, daemon=True)
+        writing.start()
+        writing.join(seconds)
+        if writing.is_alive():
+            print(f"{_name}: its trace was not written within {seconds:g} s, and is left out",
+                  file=sys.stderr, flush=True)
 
 
-def _stop(table=True):
+def _stop():
     global _prof
     with _lock:
         if _prof:
-            _prof.on_trace_ready = lambda prof: _write(prof, table)
             try:
                 _prof.stop()
-            except RuntimeError:  # torch 2.4: not from another thread than its own (compat.py)
+            except RuntimeError:  # torch 2.4, from another thread than its own (compat.py)
                 return
             _prof = False
-    if _loops and _steps <= WARMUP_STEPS:
-        print(f"{_name}: --profile: the run ended after {_steps} step(s), before the window "
-              f"(steps {WARMUP_STEPS + 1}-{WARMUP_STEPS + _args.profile_steps}); no trace")
 
 
-def _write(prof, table=True):
+def _write(prof):
     """Write the trace, whole or not at all (the rank may be killed meanwhile), and say where."""
     global _prof
     _prof = False
@@ -112,13 +107,8 @@ def _write(prof, table=True):
     threads = "" if profiler_options()[1] else (
         f"; torch {torch.__version__} records only the thread that started the profiler, not "
         "the threads where RPCs run")
-    line = f"{_name}: profiled {window}{threads}; wrote {path} ({path.stat().st_size // 1024} kB)"
-    if table:
-        rows = [row for row in prof.key_averages() if not row.key.startswith("ProfilerStep")]
-        line += ". Top operators:\n" + EventList(rows).table(sort_by="self_cpu_time_total",
-                                                             row_limit=5)
-    print(line, flush=True)
-    if _loops and table:
+    print(f"{_name}: profiled {window}{threads}; wrote {path} ({path.stat().st_size // 1024} kB)")
+    if _loops:
         _store.add(_CLOSED, 1)
 
 
@@ -126,17 +116,13 @@ def write_timeline_of_every_rank(names):
     """On rank 0 at the end: merge this run's traces in --profile's folder, or say how."""
     if not _on:
         return
-    folder, traces = Path(_args.profile), {}
-    for name in names:
-        path = folder / f"{name}.json"
-        trace = json.loads(path.read_text()) if path.exists() else {}
-        if trace.get("run") == _meta["run"]:
-            traces[name] = trace
-    missing = [name for name in names if name not in traces]
-    print(f"{_name}: " + (write_timeline(folder, traces) if not missing else
-                          f"the traces of {', '.join(missing)} are not in {folder} here (written "
-                          f"on their machines): put every rank's trace in one folder and run "
-                          f"`python -m rpc_harness.profiling FOLDER` to merge them"))
+    traces = {name: json.loads(path.read_text()) for name in names
+              if (path := Path(_args.profile) / f"{name}.json").exists()}
+    missing = [name for name in names if traces.get(name, {}).get("run") != _meta["run"]]
+    print(f"{_name}: " + (f"the traces of {', '.join(missing)} are not in {_args.profile} here: "
+                          "put every rank's trace in one folder and run `python -m "
+                          "rpc_harness.profiling FOLDER`" if missing else
+                          write_timeline(_args.profile, traces)))
 
 
 def write_timeline(folder, traces):
@@ -154,14 +140,13 @@ def merge(traces):
     base_ns = min(trace.get("baseTimeNanoseconds", 0) for trace in traces.values())
     events = []
     for rank, (name, trace) in enumerate(traces.items()):
-        # times are in microseconds after the trace's baseTimeNanoseconds
-        shift_us = (trace.get("baseTimeNanoseconds", 0) - base_ns
+        shift_us = (trace.get("baseTimeNanoseconds", 0) - base_ns  # times: us after the base
                     - trace.get("clockOffsetNs", 0)) / 1e3
         events += [{"ph": "M", "name": "process_name", "pid": rank, "args": {"name": name}},
                    {"ph": "M", "name": "process_sort_index", "pid": rank,
                     "args": {"sort_index": rank}}]
-        # each process's own metadata gives way to the rank's; the profiler's bookkeeping
-        # ("Spans", the window's end) has no integer pid, and nothing of the work
+        # the rank's metadata replaces each process's; the profiler's bookkeeping ("Spans", the
+        # window's end) has no integer pid, and nothing of the work
         events += [{**event, "pid": rank, **({"ts": float(event["ts"]) + shift_us}
                                              if "ts" in event else {})}
                    for event in trace["traceEvents"] if isinstance(event.get("pid"), int)

@@ -1,16 +1,13 @@
 """How the ranks meet, watch each other, and end.
 
-rpc.init_rpc() and dist.init_process_group() meet the other ranks through the rendezvous handler
-registered here for init_method "harness://" (options() hands it to init_rpc). The first call in
-a rank joins every rank at rank 0's store, on --master_addr and --master_port (under torchrun,
-torchrun's): it says who waits where, compares the ranks' flags, names the ranks that did not
-come. Later calls get the same store, everyone there.
-
-From the join on, every rank holds a TCP connection to every other and watches them: a process
-that ends closes its connections at once, however it ends, so a rank that lost a peer says so
-in one line and stops, wherever it waits (an RPC, an allreduce, rpc.shutdown(), which would wait
-for a dead peer without end). A peer silent for --rpc_timeout, its machine gone, is lost too. A
-rank that is done says "bye" first."""
+rpc.init_rpc() and dist.init_process_group() meet through the handler registered here for
+init_method "harness://": the first call in a rank joins every rank at rank 0's store (says who
+waits where, compares the ranks' flags, names the ranks that never came); later calls get the
+same store. From then on each rank holds a TCP connection to rank 0: a process that ends closes
+its connections at once, however it ends, so rank 0 learns of it, tells the others, and every
+rank stops in one line wherever it waits (an RPC, an allreduce, rpc.shutdown(), which would wait
+for a dead peer for ever). A rank that is done says "bye" first; a peer silent for --rpc_timeout,
+its machine gone, is lost too."""
 
 import datetime
 import fcntl
@@ -36,24 +33,25 @@ from .compat import host_store
 
 INIT_METHOD = "harness://"
 HEARTBEAT_SECONDS = 1.0
-_KEYS = "rpc_harness/"  # the harness's keys in the store
+_KEYS = "rpc_harness/"
 
 _args = _rank = _name = _store = None  # this rank's command line, rank, name; the store
-_peers = {}  # rank -> the connection to it
+_children = ()  # under spawn-all, rank 0's: the other ranks' processes
+_peers = {}  # rank -> its connection: rank 0's to each rank, the others' to rank 0
 _left = set()  # the peers that said bye
 _left_changed = threading.Condition()
 _lost = threading.Event()
 _report = {}
 
 
-def this_rank(args, rank):
-    global _args, _rank, _name
-    _args, _rank, _name = args, rank, args.harness.names[rank]
+def this_rank(args, rank, children=()):
+    global _args, _rank, _name, _children
+    _args, _rank, _name, _children = args, rank, args.harness.names[rank], children
 
 
 def options(num_worker_threads=16):
-    """rpc.init_rpc's rpc_backend_options: TensorPipe over the harness's rendezvous, with
-    --rpc_timeout, and --rpc_transport (tcp: TensorPipe's TCP transport alone)."""
+    """rpc.init_rpc's rpc_backend_options: the harness's rendezvous, --rpc_timeout, and for
+    --rpc_transport tcp, TensorPipe's TCP transport alone."""
     return rpc.TensorPipeRpcBackendOptions(
         init_method=INIT_METHOD, num_worker_threads=num_worker_threads,
         rpc_timeout=_args.rpc_timeout, _transports=["uv"] if _args.rpc_transport == "tcp" else None)
@@ -69,8 +67,6 @@ def _rendezvous(url, **kwargs):
 dist.register_rendezvous_handler(INIT_METHOD.split(":")[0], _rendezvous)
 
 
-# --------- Joining --------------------
-
 def _join():
     global _store
     args, world = _args, _args.world_size
@@ -79,7 +75,8 @@ def _join():
         print(f"{_name} (rank {_rank} of {world}): waiting for the other ranks at {where}, up to "
               f"{args.init_timeout:g} s")
     deadline = time.monotonic() + args.init_timeout
-    mesh = listen(_choose_network_interface(args.master_addr), 0)  # where the others reach us
+    _choose_network_interface(args.master_addr)
+    watch = listen(args.master_addr, 0) if _rank == 0 else None  # where the others reach rank 0
     try:
         if _rank == 0 and not args.torchrun:
             _store = host_store(listen(args.master_addr, args.master_port), args.init_timeout)
@@ -93,8 +90,8 @@ def _join():
               f"{args.init_timeout:g} s (--init_timeout); start it with the same flags"
               if time.monotonic() >= deadline else f"{_name}: lost {first} at {where} ({err})")
     try:
-        claims = _meet(mesh, deadline, where)
-        offset = _connect_to_everyone(mesh, claims, deadline)
+        claims = _meet(watch, deadline, where)
+        offset = _connect(watch, claims, deadline)
     except (RuntimeError, OSError) as err:  # rank 0's store, or a peer, went away meanwhile
         _exit(f"{_name}: lost a rank while joining at {where} ({str(err).splitlines()[0]})")
     print(f"{_name}: joined the other {world - 1} rank(s)")
@@ -102,45 +99,45 @@ def _join():
     threading.Thread(target=_watch, daemon=True, name="rpc_harness watch").start()
 
 
-def _meet(mesh, deadline, where):
-    """Claim this rank and wait until every rank has: their claims, in rank order. Flags that
-    differ from rank 0's (status 2), or ranks missing at the deadline (status 1), end every rank
-    that can tell, in the same line."""
+def _meet(watch, deadline, where):
+    """Claim this rank, then wait for every rank's claim; a flag that differs from rank 0's
+    (status 2), or ranks missing at the deadline (1), end every rank that can tell."""
     args, world = _args, range(_args.world_size)
     keys, verdict = [f"{_KEYS}rank{rank}" for rank in world], f"{_KEYS}verdict"
     _claim(keys[_rank], json.dumps({"name": _name, "flags": args.harness.flags, "pid": os.getpid(),
                                     "host": socket.gethostname(),
-                                    "address": mesh.getsockname()[:2]}))
+                                    "port": watch and watch.getsockname()[1]}))
     claims, ended = {}, None
     while ended is None:
         claims.update((rank, json.loads(_store.get(keys[rank]))) for rank in world
                       if rank not in claims and _store.check([keys[rank]]))
         difference = _differences(claims) if 0 in claims else ""
+        missing = [f"{args.harness.names[rank]} (rank {rank})" for rank in world
+                   if rank not in claims]
         if _store.check([verdict]):
             ended = _store.get(verdict)
         elif difference:
             ended = _store.compare_set(verdict, "", json.dumps([2, difference]))
-        elif len(claims) == len(world):
+        elif not missing:
             return [claims[rank] for rank in world]
-        elif time.monotonic() > deadline:
-            missing = [f"{args.harness.names[rank]} (rank {rank})" for rank in world
-                       if rank not in claims]
+        elif time.monotonic() > deadline or any(not child.is_alive() for child in _children):
             ended = _store.compare_set(verdict, "", json.dumps([1, (
                 f"{', '.join(missing)} did not join at {where} within {args.init_timeout:g} s "
                 f"(--init_timeout); start {'them' if len(missing) > 1 else 'it'} with the same "
-                "flags")]))
+                "flags" if time.monotonic() > deadline else f"{', '.join(missing)} ended before "
+                "joining")]))
         else:
             time.sleep(0.05)  # polled: the store wakes no client when compare_set makes a key
-    status, message = json.loads(ended)
     told = _store.add(f"{_KEYS}told", 1)
     while _rank == 0 and told < len(claims) and time.monotonic() < deadline + 2:
-        time.sleep(0.05)  # rank 0's process holds the store: it waits until the others have read
+        time.sleep(0.05)  # rank 0's process holds the store: the others read the verdict first
         told = _store.add(f"{_KEYS}told", 0)
+    status, message = json.loads(ended)
     _exit(f"{_name}: {message}", status)
 
 
 def _claim(key, mine):
-    """Take this rank's key, or end: another live process holds it. A key left by a process of
+    """Take this rank's key, unless another live process holds it. A key left by a process of
     this machine that is gone (Ctrl-C, then started again) is taken over."""
     held = _store.compare_set(key, "", mine).decode()
     if held != mine:
@@ -154,67 +151,61 @@ def _claim(key, mine):
 
 def _alive(pid):
     try:
-        os.kill(pid, 0)
+        return os.kill(pid, 0) is None
     except ProcessLookupError:
         return False
-    except PermissionError:
-        pass
-    return True
+    except PermissionError:  # another user's
+        return True
 
 
 def _differences(claims):
     """One line naming every flag of every rank that differs from rank 0's, or ''."""
-    theirs = claims[0]
-    said = [f"{'' if key == 'script' else '--'}{key} is {_shown(theirs['flags'].get(key))} on "
-            f"rank 0 ({theirs['name']}) but {_shown(claim['flags'].get(key))} on rank {rank} "
-            f"({claim['name']})"
-            for rank, claim in sorted(claims.items())
-            for key in sorted(set(theirs["flags"]) | set(claim["flags"]),
+    said = [f"{'' if key == 'script' else '--'}{key} is {_shown(claims[0]['flags'].get(key))} on "
+            f"rank 0 ({claims[0]['name']}) but {_shown(claim['flags'].get(key))} on rank {rank} "
+            f"({claim['name']})" for rank, claim in sorted(claims.items())
+            for key in sorted(set(claims[0]["flags"]) | set(claim["flags"]),
                               key=lambda key: (key != "world_size", key))
-            if claim["flags"].get(key) != theirs["flags"].get(key)]
+            if claim["flags"].get(key) != claims[0]["flags"].get(key)]
     return ("the ranks were started with different flags: " + "; ".join(said)
             + "; start every rank with the same values") if said else ""
 
 
 def _shown(value):
-    if isinstance(value, bool) or value is None:
-        return {True: "set", False: "not set", None: "unset"}[value]
-    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    return "unset" if value is None else " ".join(map(str, value)) if isinstance(value, list) \
+        else str(value)
 
 
-def _connect_to_everyone(mesh, claims, deadline):
-    """Connect to every lower rank, accept every higher one. Each answers with its clock: a rank
-    on another machine than rank 0 learns how far its clock is ahead (ns, for --profile)."""
-    offset = 0
-    for rank in range(_rank):
-        sock = socket.create_connection(claims[rank]["address"],
-                                        timeout=max(1.0, deadline - time.monotonic()))
+def _connect(watch, claims, deadline):
+    """Connect every rank to rank 0, which answers with its clock: a rank on another machine
+    learns how far its clock is ahead of rank 0's (ns, for --profile's timeline)."""
+    if _rank == 0:
+        watch.settimeout(max(1.0, deadline - time.monotonic()))
+        while len(_peers) < _args.world_size - 1:
+            sock, _ = watch.accept()
+            sock.settimeout(5)
+            (rank,) = struct.unpack("!I", sock.recv(4, socket.MSG_WAITALL))
+            if 0 < rank < _args.world_size and rank not in _peers:  # else not one of ours
+                sock.sendall(struct.pack("!Q", time.time_ns()))
+                _peers[rank] = sock
+        watch.close()
+    else:
+        sock = _peers[0] = socket.create_connection(
+            (_args.master_addr, claims[0]["port"]), timeout=max(1.0, deadline - time.monotonic()))
         before = time.time_ns()
         sock.sendall(struct.pack("!I", _rank))
         (theirs,) = struct.unpack("!Q", sock.recv(8, socket.MSG_WAITALL))
-        if rank == 0 and claims[0]["host"] != socket.gethostname():
-            offset = (before + time.time_ns()) // 2 - theirs
-        _peers[rank] = sock
-    mesh.settimeout(max(1.0, deadline - time.monotonic()))
-    while len(_peers) < _args.world_size - 1:
-        sock, _ = mesh.accept()
-        sock.settimeout(5)
-        (rank,) = struct.unpack("!I", sock.recv(4, socket.MSG_WAITALL))
-        if _rank < rank < _args.world_size and rank not in _peers:  # else not one of ours
-            sock.sendall(struct.pack("!Q", time.time_ns()))
-            _peers[rank] = sock
-    mesh.close()
+        if claims[0]["host"] != socket.gethostname():
+            return (before + time.time_ns()) // 2 - theirs
     for sock in _peers.values():
         sock.setblocking(False)
-    return offset
+    return 0
 
 
 def _choose_network_interface(addr):
-    """This machine's address towards --master_addr, where the rank listens; and for TensorPipe,
-    Gloo and NCCL, unless the environment says otherwise, the interface that holds it. In a
-    local run that is loopback: nothing reachable from the network (RPC runs unauthenticated
-    pickles). Left alone they would use the address of the host name, often 127.0.1.1, which
-    other machines cannot reach, and NCCL the first interface that is not loopback."""
+    """For TensorPipe, Gloo and NCCL, unless the environment says otherwise: the interface of
+    this machine's address towards --master_addr. In a local run that is loopback, so nothing is
+    reachable from the network (RPC runs unauthenticated pickles); they would take the host
+    name's address, often 127.0.1.1, which other machines cannot reach."""
     family, _, _, _, sockaddr = socket.getaddrinfo(addr, 1, type=socket.SOCK_DGRAM)[0]
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(sockaddr)  # chooses the route; a UDP connect sends nothing
@@ -224,7 +215,6 @@ def _choose_network_interface(addr):
     for variable in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         if name:
             os.environ.setdefault(variable, name)
-    return local
 
 
 def _ipv4_address(interface):  # Linux
@@ -244,12 +234,9 @@ def is_loopback(addr):
         return False
 
 
-# --------- Working --------------------
-
 def _watch():
-    """Every HEARTBEAT_SECONDS tell every peer this rank is here, and read what they said: a
-    connection closed without a bye, or silent for --rpc_timeout, is a lost peer; "gone R", a
-    peer that lost rank R. Also ends --profile's window of a rank that does not loop."""
+    """Every HEARTBEAT_SECONDS tell every peer this rank is here, and read what they said: "bye";
+    "gone R", rank 0 telling of rank R; or nothing, its connection closed."""
     socks = {sock: rank for rank, sock in _peers.items()}
     heard, unread = dict.fromkeys(_peers, time.monotonic()), dict.fromkeys(socks, b"")
     while socks:
@@ -258,11 +245,7 @@ def _watch():
         until = time.monotonic() + HEARTBEAT_SECONDS
         while socks and time.monotonic() < until:
             for sock in select.select(list(socks), [], [], until - time.monotonic())[0]:
-                rank = socks[sock]
-                try:
-                    data = sock.recv(4096)
-                except OSError:
-                    data = b""
+                rank, data = socks[sock], _receive(sock)
                 if not data:
                     del socks[sock]
                     if rank not in _left:
@@ -276,10 +259,17 @@ def _watch():
                             _left.add(rank)
                             _left_changed.notify_all()
                     elif line.startswith(b"gone "):
-                        _peer_lost(int(line[5:]), f"{_args.harness.names[rank]} saw it go")
+                        _peer_lost(int(line[5:]), f"as {_args.harness.names[0]} saw")
         for rank in socks.values():
             if rank not in _left and time.monotonic() - heard[rank] > _args.rpc_timeout:
                 _peer_lost(rank, f"silent for {_args.rpc_timeout:g} s (--rpc_timeout)")
+
+
+def _receive(sock):
+    try:
+        return sock.recv(4096)
+    except OSError:
+        return b""
 
 
 def _send(message):
@@ -291,14 +281,14 @@ def _send(message):
 
 
 def _peer_lost(rank, how):
-    """End this rank in one line, and tell the others which rank went first; under spawn-all,
-    leave it to the launcher, which stops every rank and names the one that failed first."""
+    """End this rank in one line, rank 0 telling the others which rank went; under spawn-all the
+    command's line (rank 0's) is enough."""
     if not _lost.is_set():
         _lost.set()
-        if not _args.harness.spawned:
-            _send(f"gone {rank}\n".encode())
-            _exit(f"{_name}: lost contact with {_args.harness.names[rank]} (rank {rank}, {how}); "
-                  "stopping")
+        _send(f"gone {rank}\n".encode())
+        _exit(None if _args.harness.spawned and _rank else
+              f"{_name}: lost contact with {_args.harness.names[rank]} (rank {rank}, {how}); "
+              "stopping")
 
 
 def report(**figures):
@@ -307,11 +297,8 @@ def report(**figures):
     _store.set(f"{_KEYS}report{_rank}", json.dumps(_report))
 
 
-# --------- Ending --------------------
-
 def fail(err):
-    """The rank's work raised: because a peer is gone (then the watch, or the launcher, ends the
-    rank), or else with the traceback and a line."""
+    """The rank's work raised: if a peer is gone, the watch ends the rank."""
     if _peers and _lost.wait(2 * HEARTBEAT_SECONDS):
         threading.Event().wait()
     traceback.print_exc()
@@ -320,9 +307,9 @@ def fail(err):
 
 
 def finish():
-    """The rank's work is done, rpc.shutdown() too: its trace, a bye to every peer. Rank 0, whose
-    process holds the store, waits for theirs (at most 10 s: their last steps in rpc.shutdown()
-    read that store), then merges the traces and writes the summary."""
+    """Done, rpc.shutdown() too: its trace, a bye to every peer. Rank 0, whose process holds the
+    store, waits for theirs (their last steps in rpc.shutdown() read the store), then merges the
+    traces and writes the summary."""
     profiling.end()
     _send(b"bye\n")
     if _rank != 0:
@@ -342,9 +329,10 @@ def finish():
 
 
 def _exit(message, status=1):
-    """One line, and the end of the process now: os._exit, as RPC's threads would keep a normal
-    exit waiting for peers that are gone. A rank that profiles first writes its trace."""
+    """End now, in one line (or none): os._exit, as RPC's threads would keep a normal exit
+    waiting for peers that are gone. A rank that profiles first writes its trace."""
     profiling.end(seconds=3.0)
     sys.stdout.flush()
-    print(message, file=sys.stderr, flush=True)
+    if message:
+        print(message, file=sys.stderr, flush=True)
     os._exit(status)
