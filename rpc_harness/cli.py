@@ -12,17 +12,14 @@ STARTED = time.time()  # before torch loads: the summary's seconds count from he
 parsed = None  # this process's command line, for spawn()
 # A rank's own machine, which may differ between ranks; the join compares every other flag.
 PER_RANK = {"rank", "master_addr", "master_port", "init_timeout", "rpc_timeout",
-            "rpc_transport", "threads", "summary_json", "torchrun"}
-
+            "rpc_transport", "summary_json", "torchrun"}
 
 class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):  # a default of None: the help says what unset means
         return action.help if action.default is None else super()._get_help_string(action)
 
-
 class ArgumentParser(argparse.ArgumentParser):
-    """Every default in --help, no abbreviated flags (a typo must not pass for another flag),
-    and bad input in one line, status 2."""
+    """Every default in --help; no abbreviations, lest a typo pass for another flag."""
 
     def __init__(self, **kwargs):
         super().__init__(formatter_class=_ShowDefaults, allow_abbrev=False, **kwargs)
@@ -30,10 +27,8 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
-
 def checked(kind, convert, accepts, requirement):
-    """An argument type: convert(text), refused unless accepts(value), a comparison (nan fails).
-    argparse names `kind` if convert fails: "invalid integer (>= 1) value"."""
+    """An argument type; argparse names `kind` if convert fails. accepts() compares: nan fails."""
     def parse(text):
         if not accepts(value := convert(text)):
             raise argparse.ArgumentTypeError(f"must be {requirement}, got {text}")
@@ -41,16 +36,13 @@ def checked(kind, convert, accepts, requirement):
     parse.__name__ = kind
     return parse
 
-
 def int_at_least(low):
     return checked(f"integer (>= {low})", int, lambda value: value >= low, f"at least {low}")
-
 
 positive_float = checked("number (> 0)", float, lambda v: v > 0, "greater than 0")
 unit_interval = checked("number (0 to 1)", float, lambda v: 0 <= v <= 1, "from 0 to 1")
 probability = checked("number (0 to < 1)", float, lambda v: 0 <= v < 1, "from 0 to less than 1")
 port_number = checked("port", int, lambda v: 1 <= v <= 65535, "a port number from 1 to 65535")
-
 
 def add_arguments(parser, world_size, min_world_size, roles, rpc_transport, profiled=True):
     """The flags of every example, before its own; profiled=False: it profiles itself."""
@@ -58,13 +50,10 @@ def add_arguments(parser, world_size, min_world_size, roles, rpc_transport, prof
     add("--world_size", "--world-size", type=int_at_least(min_world_size), default=world_size,
         metavar="N", help=f"total number of processes: {roles}")
     add("--rank", type=int_at_least(0), default=None, metavar="R",
-        help="run only this rank; start the others elsewhere, in any order, with the same flags "
-             "(only --rank, --master_addr, --master_port, --threads, the timeouts, "
-             "--rpc_transport, --summary_json and paths may differ). Default: every rank here, "
-             "or torchrun's RANK")
+        help="only this rank; start the others, in any order, with the same flags (but those of "
+             "a rank's machine: addresses, timeouts, paths). Default: all, or torchrun's RANK")
     add("--master_addr", "--master-addr", default="localhost", metavar="ADDR",
-        help="address of rank 0; keep localhost unless the ranks run on several machines of a "
-             "trusted network")
+        help="address of rank 0; other than localhost, on a trusted network only")
     add("--master_port", "--master-port", type=port_number, default=29500, metavar="PORT",
         help="port of rank 0's rendezvous, where every rank meets")
     add("--init_timeout", "--init-timeout", type=positive_float, default=60.0, metavar="SECONDS",
@@ -72,39 +61,28 @@ def add_arguments(parser, world_size, min_world_size, roles, rpc_transport, prof
     add("--rpc_timeout", "--rpc-timeout", type=positive_float, default=60.0, metavar="SECONDS",
         help="seconds before an RPC without an answer fails, or a silent rank counts as lost")
     add("--rpc_transport", "--rpc-transport", choices=("auto", "tcp"), default=rpc_transport,
-        help="within a machine: auto lets TensorPipe use shared memory, quickest for small "
-             "messages but polled without pause; tcp: loopback sockets, which wait idle")
-    add("--threads", type=int_at_least(1), default=None, metavar="N",
-        help="intra-op threads of each rank this command starts. Default: OMP_NUM_THREADS, else "
-             "the cores shared by the ranks that compute, and 1 for the others")
+        help="between ranks of a machine: auto lets TensorPipe use shared memory, quickest but "
+             "polled without pause; tcp, loopback sockets")
     add("--seed", type=int_at_least(0), default=1, metavar="N", help="random seed")
     add("--summary_json", "--summary-json", default=None, metavar="PATH",
         help="write the run's figures to this JSON file at the end")
     if profiled:
         add("--profile", default=None, metavar="DIR",
-            help="profile every rank with torch.profiler into DIR/<its name>.json, merged into "
-                 "DIR/timeline.json (https://ui.perfetto.dev): the ranks that loop record "
-                 "--profile_steps steps after 2 warm-up steps; the others, until those are done")
+            help="profile every rank into DIR/<its name>.json, merged into DIR/timeline.json "
+                 "(https://ui.perfetto.dev): --profile_steps steps of the ranks that loop")
         add("--profile_steps", "--profile-steps", type=int_at_least(1), default=3, metavar="N",
             help="how many steps of each looping rank --profile records")
 
-
-def parse_args(parser, argv, names, heavy=None, loops=None, summary=None, per_rank=()):
-    """Parse and check the command line; under torchrun, rank and rendezvous come from it. The
-    example's roles: names(rank, world_size), heavy(rank, world_size) for the ranks that compute
-    (they share the cores; default: all), loops(rank, world_size) for those whose loops call
-    profile_step(), summary(args, reports) -> (figures, line), which rank 0 writes at the end.
-    per_rank: the example's flags that may differ between ranks (paths)."""
+def parse_args(parser, argv, names, summary, heavy=None, loops=None, per_rank=()):
+    """The checked command line (or torchrun's). Roles, f(rank, world_size): names; heavy, ranks
+    that compute; loops, that call profile_step(). summary(args, reports) -> (figures, line)."""
     global parsed
     args = parser.parse_args(argv)
-    args.torchrun = args.rank is None and {"RANK", "WORLD_SIZE"} <= set(os.environ)
+    args.torchrun = args.rank is None and {"RANK", "WORLD_SIZE", "MASTER_PORT"} <= set(os.environ)
     if args.torchrun:
-        try:
-            args.rank, args.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            args.master_addr, args.master_port = (os.environ["MASTER_ADDR"],
-                                                  int(os.environ["MASTER_PORT"]))
-        except (KeyError, ValueError) as err:
-            parser.error(f"torchrun's environment is incomplete: {err}")
+        args.rank, args.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        args.master_addr = os.environ.get("MASTER_ADDR", args.master_addr)
+        args.master_port = int(os.environ["MASTER_PORT"])
         if args.world_size < parser.min_world_size:
             parser.error(f"this example needs at least {parser.min_world_size} processes, "
                          f"torchrun started {args.world_size}")
@@ -135,16 +113,12 @@ def parse_args(parser, argv, names, heavy=None, loops=None, summary=None, per_ra
     parsed = args
     return args
 
-
 def listen(addr, port):
     family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
     return socket.create_server((addr, port), family=family)
 
-
 def check_folder(parser, folder):
     """--profile's folder, made if missing."""
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        parser.error(f"--profile {folder}: a file is there; give a folder")
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as err:

@@ -1,12 +1,9 @@
-"""--profile DIR: each rank's torch.profiler trace, and one timeline of them all.
+"""--profile DIR: each rank profiles itself. Those whose loops call profile_step() record
+--profile_steps steps after WARMUP_STEPS (spans ProfilerStep#N), the others, which serve them,
+until every looping rank's window has closed (a count in rank 0's store). Rank 0 merges the
+traces into one timeline at the end, or says how: python -m rpc_harness.profiling FOLDER"""
 
-A profiler records its own process, so each rank profiles itself. The ranks whose loops call
-profile_step() record --profile_steps steps after WARMUP_STEPS, on torch's schedule (a span
-ProfilerStep#N a step, N counting from 0); the others, which serve their calls, from the join
-until every looping rank's window has closed (a count in rank 0's store). At the end rank 0
-merges the traces where the ranks share its folder; else, with them copied into one folder:
-python -m rpc_harness.profiling FOLDER"""
-
+import contextlib
 import json
 import os
 import sys
@@ -26,22 +23,19 @@ _args = _name = _store = _prof = None  # _prof: None before it starts, False onc
 _meta = {}  # what the merge reads in the trace
 _lock = threading.Lock()  # the trace is written once, by whichever thread gets there first
 
-
-def begin(args, rank, name, store, run, clock_offset_ns):
-    """At the join, on the main thread: a rank that does not loop starts its profiler here.
-    Kineto wants its first start on the main thread (elsewhere it prints an ERROR), torch 2.4
-    the stop too (compat.py)."""
+def begin(args, rank, name, store, run):
+    """At the join, on the main thread: Kineto's first start must be there (else an ERROR), and a
+    profiler that does not step (the others') starts there, torch 2.4 stopping it there."""
     global _on, _args, _name, _store, _loops, _prof
     _on = bool(getattr(args, "profile", None)) and args.harness.loops is not None
     if _on:
         _args, _name, _store, _loops = args, name, store, rank in args.harness.loops
-        _meta.update(rank=rank, rankName=name, run=run, clockOffsetNs=clock_offset_ns)
+        _meta.update(rank=rank, rankName=name, run=run)
         if _loops:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
                 pass
         else:
             _prof = _start(on_trace_ready=_write)
-
 
 def _start(**kwargs):
     prof = torch.profiler.profile(**profiler_options()[0], **kwargs)
@@ -50,10 +44,7 @@ def _start(**kwargs):
     prof.start()
     return prof
 
-
 def step():
-    """A looping rank's next step: the first starts its profiler, whose schedule opens the window
-    after WARMUP_STEPS and writes the trace when it closes."""
     global _prof, _steps
     if _on:
         _steps += 1
@@ -63,88 +54,63 @@ def step():
         elif _prof:
             _prof.step()
 
-
 def beat():
-    """Every heartbeat: a rank that does not loop stops once every looping rank's has."""
     if _on and not _loops and _prof and _store.add(_CLOSED, 0) >= len(_args.harness.loops):
         _stop()
 
-
 def end(seconds=None):
-    """Write what the profiler holds: at the rank's end; or within `seconds` if it stops early
-    (a lost peer, a signal), as a rank that ends must end, else the trace is left out."""
-    if _on and seconds is None:
-        _stop()
-    elif _on:
-        writing = threading.Thread(target=_stop, daemon=True)
-        writing.start()
-        writing.join(seconds)
-        if writing.is_alive():
-            print(f"{_name}: its trace was not written within {seconds:g} s, and is left out",
-                  file=sys.stderr, flush=True)
-
+    """Write the trace; when the rank stops early, within `seconds`, or leave it out."""
+    if not _on or seconds is None:
+        return _on and _stop()
+    writing = threading.Thread(target=_stop, daemon=True)
+    writing.start()
+    writing.join(seconds)
+    if writing.is_alive():
+        print(f"{_name}: its trace was not written within {seconds:g} s, and is left out",
+              file=sys.stderr, flush=True)
 
 def _stop():
-    global _prof
-    with _lock:
+    # RuntimeError: torch 2.4 stops a profiler only from the thread that started it (compat.py)
+    with _lock, contextlib.suppress(RuntimeError):
         if _prof:
-            try:
-                _prof.stop()
-            except RuntimeError:  # torch 2.4, from another thread than its own (compat.py)
-                return
-            _prof = False
-
+            _prof.stop()
 
 def _write(prof):
-    """Write the trace, whole or not at all (the rank may be killed meanwhile), and say where."""
     global _prof
     _prof = False
     path, part = Path(_args.profile) / f"{_name}.json", Path(_args.profile) / f".{_name}.json"
     prof.export_chrome_trace(str(part))
-    part.replace(path)
-    window = (f"steps {WARMUP_STEPS + 1}-{min(_steps, WARMUP_STEPS + _args.profile_steps)}"
-              if _loops else "from the join until the looping ranks' windows closed")
-    threads = "" if profiler_options()[1] else (
-        f"; torch {torch.__version__} records only the thread that started the profiler, not "
-        "the threads where RPCs run")
-    print(f"{_name}: profiled {window}{threads}; wrote {path} ({path.stat().st_size // 1024} kB)")
+    part.replace(path)  # whole or not at all: the rank may be killed meanwhile
+    print(f"{_name}: profiled, wrote {path} ({path.stat().st_size // 1024} kB)" + (
+        "" if profiler_options()[1] else f"; torch {torch.__version__} records only the thread "
+        "that started the profiler, not the threads where RPCs run"))
     if _loops:
         _store.add(_CLOSED, 1)
 
-
 def write_timeline_of_every_rank(names):
-    """On rank 0 at the end: merge this run's traces in --profile's folder, or say how."""
-    if not _on:
-        return
-    traces = {name: json.loads(path.read_text()) for name in names
-              if (path := Path(_args.profile) / f"{name}.json").exists()}
-    missing = [name for name in names if traces.get(name, {}).get("run") != _meta["run"]]
-    print(f"{_name}: " + (f"the traces of {', '.join(missing)} are not in {_args.profile} here: "
-                          "put every rank's trace in one folder and run `python -m "
-                          "rpc_harness.profiling FOLDER`" if missing else
-                          write_timeline(_args.profile, traces)))
-
+    if _on:
+        traces = {name: json.loads(path.read_text()) for name in names
+                  if (path := Path(_args.profile) / f"{name}.json").exists()}
+        missing = [name for name in names if traces.get(name, {}).get("run") != _meta["run"]]
+        print(f"{_name}: " + (f"the traces of {', '.join(missing)} are not in {_args.profile} "
+                              "here: put every rank's trace in one folder and run `python -m "
+                              "rpc_harness.profiling FOLDER`" if missing else
+                              write_timeline(_args.profile, traces)))
 
 def write_timeline(folder, traces):
-    """Merge `traces` (a rank's name -> its trace, in rank order) into folder's timeline.json."""
     path = Path(folder) / TIMELINE
     path.write_text(json.dumps(merge(traces)))
     return (f"wrote the timeline of {len(traces)} ranks to {path} "
             f"({path.stat().st_size // 1024} kB): open it in https://ui.perfetto.dev")
 
-
 def merge(traces):
-    """One Chrome trace of every rank's (a rank's name -> its trace, whose clockOffsetNs says how
-    far its clock is ahead of rank 0's): a track per rank, in rank order, its threads (and a
-    GPU's streams) as rows, on one clock."""
+    """One Chrome trace, a track per rank in rank order (`traces`: a name -> its trace)."""
     base_ns = min(trace.get("baseTimeNanoseconds", 0) for trace in traces.values())
     events = []
     for rank, (name, trace) in enumerate(traces.items()):
         shift_us = (trace.get("baseTimeNanoseconds", 0) - base_ns  # times: us after the base
                     - trace.get("clockOffsetNs", 0)) / 1e3
-        events += [{"ph": "M", "name": "process_name", "pid": rank, "args": {"name": name}},
-                   {"ph": "M", "name": "process_sort_index", "pid": rank,
-                    "args": {"sort_index": rank}}]
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": name}})
         # the rank's metadata replaces each process's; the profiler's bookkeeping ("Spans", the
         # window's end) has no integer pid, and nothing of the work
         events += [{**event, "pid": rank, **({"ts": float(event["ts"]) + shift_us}
@@ -152,7 +118,6 @@ def merge(traces):
                    for event in trace["traceEvents"] if isinstance(event.get("pid"), int)
                    and not event.get("name", "").startswith("process_")]
     return {"traceEvents": events, "displayTimeUnit": "ms", "baseTimeNanoseconds": base_ns}
-
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or not os.path.isdir(sys.argv[1]):

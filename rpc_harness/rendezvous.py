@@ -1,13 +1,8 @@
-"""How the ranks meet, watch each other, and end.
-
-rpc.init_rpc() and dist.init_process_group() meet through the handler registered here for
-init_method "harness://": the first call in a rank joins every rank at rank 0's store (says who
-waits where, compares the ranks' flags, names the ranks that never came); later calls get the
-same store. From then on each rank holds a TCP connection to rank 0: a process that ends closes
-its connections at once, however it ends, so rank 0 learns of it, tells the others, and every
-rank stops in one line wherever it waits (an RPC, an allreduce, rpc.shutdown(), which would wait
-for a dead peer for ever). A rank that is done says "bye" first; a peer silent for --rpc_timeout,
-its machine gone, is lost too."""
+"""init_rpc() and init_process_group() meet through the handler registered here for
+"harness://": the first call joins every rank at rank 0's store. Then each rank holds a TCP
+connection to rank 0: a process that ends closes it at once, however it ends, so rank 0 tells
+the others, and each stops in one line wherever it waits (rpc.shutdown() too, which would wait
+for a dead peer for ever). A rank that is done says "bye"; one silent for --rpc_timeout is lost."""
 
 import datetime
 import fcntl
@@ -20,7 +15,6 @@ import struct
 import sys
 import threading
 import time
-import traceback
 import urllib.parse
 from pathlib import Path
 
@@ -36,26 +30,21 @@ HEARTBEAT_SECONDS = 1.0
 _KEYS = "rpc_harness/"
 
 _args = _rank = _name = _store = None  # this rank's command line, rank, name; the store
-_children = ()  # under spawn-all, rank 0's: the other ranks' processes
 _peers = {}  # rank -> its connection: rank 0's to each rank, the others' to rank 0
 _left = set()  # the peers that said bye
 _left_changed = threading.Condition()
 _lost = threading.Event()
 _report = {}
 
-
-def this_rank(args, rank, children=()):
-    global _args, _rank, _name, _children
-    _args, _rank, _name, _children = args, rank, args.harness.names[rank], children
-
+def this_rank(args, rank):
+    global _args, _rank, _name
+    _args, _rank, _name = args, rank, args.harness.names[rank]
 
 def options(num_worker_threads=16):
-    """rpc.init_rpc's rpc_backend_options: the harness's rendezvous, --rpc_timeout, and for
-    --rpc_transport tcp, TensorPipe's TCP transport alone."""
+    """init_rpc's rpc_backend_options: this rendezvous, --rpc_timeout and --rpc_transport."""
     return rpc.TensorPipeRpcBackendOptions(
         init_method=INIT_METHOD, num_worker_threads=num_worker_threads,
         rpc_timeout=_args.rpc_timeout, _transports=["uv"] if _args.rpc_transport == "tcp" else None)
-
 
 def _rendezvous(url, **kwargs):
     if _store is None:
@@ -63,9 +52,10 @@ def _rendezvous(url, **kwargs):
     query = dict(urllib.parse.parse_qsl(urllib.parse.urlparse(url).query))
     yield _store, int(query["rank"]), int(query["world_size"])
 
-
 dist.register_rendezvous_handler(INIT_METHOD.split(":")[0], _rendezvous)
-
+# A function run for an RPC that raises prints its traceback where it ran, and the caller, which
+# reports it, gets the same error: a rank that lost a peer would print one that nobody waits for.
+rpc.internal.print = lambda *args, **kwargs: None
 
 def _join():
     global _store
@@ -78,30 +68,37 @@ def _join():
     _choose_network_interface(args.master_addr)
     watch = listen(args.master_addr, 0) if _rank == 0 else None  # where the others reach rank 0
     try:
-        if _rank == 0 and not args.torchrun:
-            _store = host_store(listen(args.master_addr, args.master_port), args.init_timeout)
-        else:
-            _store = dist.TCPStore(args.master_addr, args.master_port, is_master=False,
-                                   timeout=datetime.timedelta(seconds=args.init_timeout))
-    except OSError as err:  # the port, taken since the command line was checked
-        _exit(f"{_name}: cannot listen on {where} ({err.strerror})", status=2)
-    except RuntimeError as err:
+        _store = (host_store(listen(args.master_addr, args.master_port), args.init_timeout)
+                  if _rank == 0 and not args.torchrun else
+                  dist.TCPStore(args.master_addr, args.master_port, is_master=False,
+                                timeout=datetime.timedelta(seconds=args.init_timeout)))
+    except (RuntimeError, OSError) as err:  # OSError: rank 0's port, taken since it was checked
         _exit(f"{_name}: {first} did not come: nothing answered at {where} within "
               f"{args.init_timeout:g} s (--init_timeout); start it with the same flags"
               if time.monotonic() >= deadline else f"{_name}: lost {first} at {where} ({err})")
     try:
         claims = _meet(watch, deadline, where)
-        offset = _connect(watch, claims, deadline)
-    except (RuntimeError, OSError) as err:  # rank 0's store, or a peer, went away meanwhile
+        if _rank == 0:  # rank 0 takes each connection that names a rank of its own
+            watch.settimeout(max(1.0, deadline - time.monotonic()))
+            while len(_peers) < world - 1:
+                sock, _ = watch.accept()
+                sock.settimeout(5)
+                if 0 < (rank := struct.unpack("!I", sock.recv(4, socket.MSG_WAITALL))[0]) < world:
+                    _peers[rank] = sock
+        else:
+            _peers[0] = socket.create_connection((args.master_addr, claims[0]["port"]),
+                                                 timeout=max(1.0, deadline - time.monotonic()))
+            _peers[0].sendall(struct.pack("!I", _rank))
+    except (RuntimeError, OSError) as err:  # rank 0's store, or a rank, went away meanwhile
         _exit(f"{_name}: lost a rank while joining at {where} ({str(err).splitlines()[0]})")
+    for sock in _peers.values():
+        sock.setblocking(False)
     print(f"{_name}: joined the other {world - 1} rank(s)")
-    profiling.begin(args, _rank, _name, _store, f"{claims[0]['host']}:{claims[0]['pid']}", offset)
+    profiling.begin(args, _rank, _name, _store, f"{claims[0]['host']}:{claims[0]['pid']}")
     threading.Thread(target=_watch, daemon=True, name="rpc_harness watch").start()
 
-
 def _meet(watch, deadline, where):
-    """Claim this rank, then wait for every rank's claim; a flag that differs from rank 0's
-    (status 2), or ranks missing at the deadline (1), end every rank that can tell."""
+    """Claim this rank, wait for every rank's: flags that differ, or no one, end every rank."""
     args, world = _args, range(_args.world_size)
     keys, verdict = [f"{_KEYS}rank{rank}" for rank in world], f"{_KEYS}verdict"
     _claim(keys[_rank], json.dumps({"name": _name, "flags": args.harness.flags, "pid": os.getpid(),
@@ -120,12 +117,11 @@ def _meet(watch, deadline, where):
             ended = _store.compare_set(verdict, "", json.dumps([2, difference]))
         elif not missing:
             return [claims[rank] for rank in world]
-        elif time.monotonic() > deadline or any(not child.is_alive() for child in _children):
+        elif time.monotonic() > deadline:
             ended = _store.compare_set(verdict, "", json.dumps([1, (
                 f"{', '.join(missing)} did not join at {where} within {args.init_timeout:g} s "
                 f"(--init_timeout); start {'them' if len(missing) > 1 else 'it'} with the same "
-                "flags" if time.monotonic() > deadline else f"{', '.join(missing)} ended before "
-                "joining")]))
+                "flags")]))
         else:
             time.sleep(0.05)  # polled: the store wakes no client when compare_set makes a key
     told = _store.add(f"{_KEYS}told", 1)
@@ -135,28 +131,17 @@ def _meet(watch, deadline, where):
     status, message = json.loads(ended)
     _exit(f"{_name}: {message}", status)
 
-
 def _claim(key, mine):
-    """Take this rank's key, unless another live process holds it. A key left by a process of
-    this machine that is gone (Ctrl-C, then started again) is taken over."""
+    """Take this rank's key, unless a live process holds it (Linux: not one that is gone)."""
     held = _store.compare_set(key, "", mine).decode()
     if held != mine:
         holder = json.loads(held)
-        if holder["host"] == socket.gethostname() and not _alive(holder["pid"]):
+        if (holder["host"] == socket.gethostname() and sys.platform == "linux"
+                and not Path(f"/proc/{holder['pid']}").exists()):
             held = _store.compare_set(key, held, mine).decode()
         if held != mine:
             _exit(f"{_name}: rank {_rank} is taken: process {holder['pid']} on {holder['host']} "
                   f"joined as rank {_rank} first; give every rank its own --rank", status=2)
-
-
-def _alive(pid):
-    try:
-        return os.kill(pid, 0) is None
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-
 
 def _differences(claims):
     """One line naming every flag of every rank that differs from rank 0's, or ''."""
@@ -169,53 +154,21 @@ def _differences(claims):
     return ("the ranks were started with different flags: " + "; ".join(said)
             + "; start every rank with the same values") if said else ""
 
-
 def _shown(value):
-    return "unset" if value is None else " ".join(map(str, value)) if isinstance(value, list) \
-        else str(value)
-
-
-def _connect(watch, claims, deadline):
-    """Connect every rank to rank 0, which answers with its clock: a rank on another machine
-    learns how far its clock is ahead of rank 0's (ns, for --profile's timeline)."""
-    if _rank == 0:
-        watch.settimeout(max(1.0, deadline - time.monotonic()))
-        while len(_peers) < _args.world_size - 1:
-            sock, _ = watch.accept()
-            sock.settimeout(5)
-            (rank,) = struct.unpack("!I", sock.recv(4, socket.MSG_WAITALL))
-            if 0 < rank < _args.world_size and rank not in _peers:  # else not one of ours
-                sock.sendall(struct.pack("!Q", time.time_ns()))
-                _peers[rank] = sock
-        watch.close()
-    else:
-        sock = _peers[0] = socket.create_connection(
-            (_args.master_addr, claims[0]["port"]), timeout=max(1.0, deadline - time.monotonic()))
-        before = time.time_ns()
-        sock.sendall(struct.pack("!I", _rank))
-        (theirs,) = struct.unpack("!Q", sock.recv(8, socket.MSG_WAITALL))
-        if claims[0]["host"] != socket.gethostname():
-            return (before + time.time_ns()) // 2 - theirs
-    for sock in _peers.values():
-        sock.setblocking(False)
-    return 0
-
+    return "unset" if value is None else " ".join(map(str, value)) if type(value) is list else value
 
 def _choose_network_interface(addr):
-    """For TensorPipe, Gloo and NCCL, unless the environment says otherwise: the interface of
-    this machine's address towards --master_addr. In a local run that is loopback, so nothing is
-    reachable from the network (RPC runs unauthenticated pickles); they would take the host
-    name's address, often 127.0.1.1, which other machines cannot reach."""
+    """For TensorPipe, Gloo and NCCL, the interface towards --master_addr: locally, loopback, away
+    from the network (RPC runs unauthenticated pickles); never the host name's 127.0.1.1."""
     family, _, _, _, sockaddr = socket.getaddrinfo(addr, 1, type=socket.SOCK_DGRAM)[0]
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(sockaddr)  # chooses the route; a UDP connect sends nothing
         local = probe.getsockname()[0]
     name = next((name for _, name in socket.if_nameindex() if _ipv4_address(name) == local),
                 "lo" if ipaddress.ip_address(local).is_loopback else None)
-    for variable in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        if name:
+    if name:
+        for variable in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(variable, name)
-
 
 def _ipv4_address(interface):  # Linux
     try:
@@ -226,51 +179,38 @@ def _ipv4_address(interface):  # Linux
         return None
     return socket.inet_ntoa(reply[20:24])
 
-
-def is_loopback(addr):
-    try:
-        return ipaddress.ip_address(socket.getaddrinfo(addr, None)[0][4][0]).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
 def _watch():
-    """Every HEARTBEAT_SECONDS tell every peer this rank is here, and read what they said: "bye";
-    "gone R", rank 0 telling of rank R; or nothing, its connection closed."""
-    socks = {sock: rank for rank, sock in _peers.items()}
+    """Every second say "." to every peer, and read theirs: "bye", "gone R", or a closed end."""
+    socks, beat = {sock: rank for rank, sock in _peers.items()}, 0.0
     heard, unread = dict.fromkeys(_peers, time.monotonic()), dict.fromkeys(socks, b"")
     while socks:
-        profiling.beat()
-        _send(b".\n")
-        until = time.monotonic() + HEARTBEAT_SECONDS
-        while socks and time.monotonic() < until:
-            for sock in select.select(list(socks), [], [], until - time.monotonic())[0]:
-                rank, data = socks[sock], _receive(sock)
-                if not data:
-                    del socks[sock]
-                    if rank not in _left:
-                        _peer_lost(rank, "its connection closed")
-                    continue
-                heard[rank] = time.monotonic()
-                *lines, unread[sock] = (unread[sock] + data).split(b"\n")
-                for line in lines:
-                    if line == b"bye":
-                        with _left_changed:
-                            _left.add(rank)
-                            _left_changed.notify_all()
-                    elif line.startswith(b"gone "):
-                        _peer_lost(int(line[5:]), f"as {_args.harness.names[0]} saw")
+        if time.monotonic() >= beat:
+            profiling.beat()
+            _send(b".\n")
+            beat = time.monotonic() + HEARTBEAT_SECONDS
+        for sock in select.select(list(socks), [], [], HEARTBEAT_SECONDS)[0]:
+            rank = socks[sock]
+            try:
+                data = sock.recv(4096)
+            except OSError:
+                data = b""
+            if not data:
+                del socks[sock]
+                if rank not in _left:
+                    _peer_lost(rank, "its connection closed")
+                continue
+            heard[rank] = time.monotonic()
+            *lines, unread[sock] = (unread[sock] + data).split(b"\n")
+            for line in lines:
+                if line == b"bye":
+                    with _left_changed:
+                        _left.add(rank)
+                        _left_changed.notify_all()
+                elif line.startswith(b"gone "):
+                    _peer_lost(int(line[5:]), f"as {_args.harness.names[0]} saw")
         for rank in socks.values():
             if rank not in _left and time.monotonic() - heard[rank] > _args.rpc_timeout:
                 _peer_lost(rank, f"silent for {_args.rpc_timeout:g} s (--rpc_timeout)")
-
-
-def _receive(sock):
-    try:
-        return sock.recv(4096)
-    except OSError:
-        return b""
-
 
 def _send(message):
     for sock in _peers.values():
@@ -279,10 +219,8 @@ def _send(message):
         except OSError:  # a peer that is gone, which the watch finds
             pass
 
-
 def _peer_lost(rank, how):
-    """End this rank in one line, rank 0 telling the others which rank went; under spawn-all the
-    command's line (rank 0's) is enough."""
+    """End, in one line (under spawn-all, rank 0's), rank 0 telling the others which rank went."""
     if not _lost.is_set():
         _lost.set()
         _send(f"gone {rank}\n".encode())
@@ -290,34 +228,28 @@ def _peer_lost(rank, how):
               f"{_name}: lost contact with {_args.harness.names[rank]} (rank {rank}, {how}); "
               "stopping")
 
-
 def report(**figures):
     """Not in the tutorials: figures for the run's summary, which rank 0 writes at the end."""
     _report.update(figures)
     _store.set(f"{_KEYS}report{_rank}", json.dumps(_report))
 
-
 def fail(err):
     """The rank's work raised: if a peer is gone, the watch ends the rank."""
     if _peers and _lost.wait(2 * HEARTBEAT_SECONDS):
         threading.Event().wait()
-    traceback.print_exc()
+    sys.excepthook(*sys.exc_info())
     lines = [line for line in str(err).splitlines() if line and not line.startswith("On Worker")]
     _exit(f"{_name}: failed: {(lines or [type(err).__name__])[0]}")
 
-
 def finish():
-    """Done, rpc.shutdown() too: its trace, a bye to every peer. Rank 0, whose process holds the
-    store, waits for theirs (their last steps in rpc.shutdown() read the store), then merges the
-    traces and writes the summary."""
+    """Done. Rank 0 (its process holds the store, which rpc.shutdown() reads to the end) waits for
+    every bye, merges the traces and writes the summary."""
     profiling.end()
     _send(b"bye\n")
-    if _rank != 0:
-        return
-    with _left_changed:
-        _left_changed.wait_for(lambda: len(_left) == len(_peers), timeout=10)
-    profiling.write_timeline_of_every_rank(_args.harness.names)
-    if _args.harness.summary:
+    if _rank == 0:
+        with _left_changed:
+            _left_changed.wait_for(lambda: len(_left) == len(_peers), timeout=10)
+        profiling.write_timeline_of_every_rank(_args.harness.names)
         reports = {name: json.loads(_store.get(f"{_KEYS}report{rank}"))
                    for rank, name in enumerate(_args.harness.names)
                    if _store.check([f"{_KEYS}report{rank}"])}
@@ -327,10 +259,8 @@ def finish():
         if _args.summary_json:
             Path(_args.summary_json).write_text(json.dumps(figures, indent=2) + "\n")
 
-
 def _exit(message, status=1):
-    """End now, in one line (or none): os._exit, as RPC's threads would keep a normal exit
-    waiting for peers that are gone. A rank that profiles first writes its trace."""
+    """End now: RPC's threads would keep an exit waiting for peers that are gone."""
     profiling.end(seconds=3.0)
     sys.stdout.flush()
     if message:

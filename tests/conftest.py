@@ -221,7 +221,7 @@ def check_timeline(runs, folder, ranks, callee, operators):
         assert run.returncode == 0, run.output
     stdout = "".join(run.stdout for run in runs)
     for name in ranks:
-        assert re.search(rf"^{name}: profiled .*; wrote .*{name}\.json \(\d+ kB\)", stdout,
+        assert re.search(rf"^{name}: profiled, wrote .*{name}\.json \(\d+ kB\)", stdout,
                          re.M), stdout
     assert re.search(rf"wrote the timeline of {len(ranks)} ranks to .*timeline\.json \(\d+ kB\)"
                      r": open it in https://ui\.perfetto\.dev", stdout), stdout

@@ -50,7 +50,7 @@ GENERIC_BAD_INPUTS = [
     (["--rpc_timeout", "nan"], "greater than 0"),
     (["--world", "3"], "unrecognized arguments: --world 3"),  # no abbreviations
     (["--master_addr", "a..b"], "--master_addr a..b: no such host"),
-    (["--profile", str(Path(__file__))], "a file is there; give a folder"),
+    (["--profile", str(Path(__file__))], "cannot make that folder (File exists)"),
     (["--profile_steps", "0"], "must be at least 1"),
 ]
 
@@ -87,10 +87,10 @@ def test_the_flags_that_must_agree(monkeypatch):
     runs (main.py, or a variant's entry point), so that a rank of another program is refused."""
     monkeypatch.setattr(sys, "argv", ["/somewhere/batch.py"])
     args = rl.parse_args(["--rank", "1", "--master_port", str(find_free_port()),
-                          "--summary_json", "s.json", "--threads", "2", "--gamma", "0.5"])
+                          "--summary_json", "s.json", "--rpc_timeout", "9", "--gamma", "0.5"])
     flags = args.harness.flags
     assert flags["script"] == "batch.py" and flags["gamma"] == 0.5 and flags["world_size"] == 2
-    assert not set(flags) & {"rank", "master_port", "summary_json", "threads", "torchrun"}
+    assert not set(flags) & {"rank", "master_port", "summary_json", "rpc_timeout", "torchrun"}
     assert args.harness.names == ["agent", "observer1"] and args.harness.loops == [0]
 
 
@@ -111,19 +111,20 @@ def test_the_line_for_flags_that_differ_names_every_rank_and_flag():
     assert rendezvous._differences({0: claims[0], 3: claims[0]}) == ""
 
 
-@pytest.mark.parametrize("rank, threads, environ, expected", [
-    (None, None, {}, {0: 2, 1: 1, 2: 1}),  # 2 cores: the heavy rank 0 gets both
-    (None, 3, {}, {0: 3, 1: 3, 2: 3}),  # --threads
-    (None, None, {"OMP_NUM_THREADS": "4"}, {0: 4, 1: 4, 2: 4}),
-    (1, None, {}, {0: 2, 1: 1, 2: 1}),  # --rank on loopback: every rank on this machine
+@pytest.mark.parametrize("rank, addr, environ, expected", [
+    (None, "localhost", {}, {0: 2, 1: 1, 2: 1}),  # 2 cores: the heavy rank 0 gets both
+    (None, "localhost", {"OMP_NUM_THREADS": "4"}, {0: 4, 1: 4, 2: 4}),
+    (1, "localhost", {}, {0: 2, 1: 1, 2: 1}),  # --rank on loopback: every rank on this machine
+    (0, "10.0.0.1", {}, {0: 2}),  # alone on its machine, as far as it can tell
+    (1, "10.0.0.1", {"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"}, {1: 1, 2: 1}),  # torchrun
 ])
-def test_each_rank_gets_its_share_of_the_cores(monkeypatch, rank, threads, environ, expected):
-    monkeypatch.setattr(launch, "_cores", lambda: 2)
+def test_each_rank_gets_its_share_of_the_cores(monkeypatch, rank, addr, environ, expected):
+    monkeypatch.setattr(launch, "CORES", 2)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
-    command = SimpleNamespace(world_size=3, rank=rank, master_addr="localhost", torchrun=False,
-                              threads=threads, harness=SimpleNamespace(heavy=[0]))
+    command = SimpleNamespace(world_size=3, rank=rank, master_addr=addr,
+                              torchrun="LOCAL_RANK" in environ, harness=SimpleNamespace(heavy=[0]))
     assert launch._thread_counts(command) == expected
 
 
@@ -312,8 +313,10 @@ RUNS = {
 
 
 def start(runs, key, *flags, rank=None, endless=False, **kwargs):
+    """A run of an example, over TCP: TensorPipe's shared memory keeps a thread of every process
+    polling, which on 2 cores starved even this process's reads of /proc for seconds."""
     config = RUNS[key]
-    return runs.start(config.name, *(config.endless if endless else config.quick),
+    return runs.start(config.name, *(config.endless if endless else config.quick), *TCP,
                       "--world_size", config.world_size, *flags,
                       *(() if rank is None else ("--rank", rank)), script=config.script, **kwargs)
 
@@ -522,9 +525,9 @@ def test_ctrl_c_mid_run(runs):
     torch's C++ code for the trainers' whole loops), and to every process of a spawn-all run,
     as a terminal sends it: rank 0, the command's own process, says so, the others end with it."""
     port = find_free_port()
-    ranks = [start(runs, "ddp_rpc_hybrid", *TCP, "--master_port", port, rank=rank, endless=True)
+    ranks = [start(runs, "ddp_rpc_hybrid", "--master_port", port, rank=rank, endless=True)
              for rank in range(3)]
-    spawn_all = start(runs, "rl_cartpole", *TCP, "--master_port", find_free_port(), endless=True)
+    spawn_all = start(runs, "rl_cartpole", "--master_port", find_free_port(), endless=True)
     _wait_any(ranks, RUNS["ddp_rpc_hybrid"].working)
     spawn_all.wait_for_output(RUNS["rl_cartpole"].working, timeout=90)
     sent = time.monotonic()
@@ -596,7 +599,7 @@ def test_torchrun_runs_every_rank(key, runs, tmp_path):
     config = RUNS[key]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                 str(config.world_size), "--master_port", str(find_free_port())]
-    script = example_command(config.name, *config.quick, "--summary_json",
+    script = example_command(config.name, *config.quick, *TCP, "--summary_json",
                              tmp_path / "summary.json")
     run = runs.start_command([*torchrun, *script[1:]]).wait(timeout=120)
     assert run.returncode == 0, run.output

@@ -155,4 +155,5 @@ def test_ranks_as_separate_commands_in_any_order_time_each_num_split(tmp_path, r
         assert re.search(rf"^number of splits = {num_split}, execution time = \d+\.\d+$",
                          master.stdout, re.M)
     assert set(json.loads((tmp_path / "summary.json").read_text())["splits"]) == {"1", "4"}
-    assert worker1.stdout.startswith("worker1: ") and "Processing batch" not in worker1.stdout
+    assert worker1.stdout.startswith("Threads: worker1 ")
+    assert "Processing batch" not in worker1.stdout

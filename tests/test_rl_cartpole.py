@@ -337,7 +337,7 @@ def test_ranks_as_separate_commands_repeat_the_run(finished, runs):
         assert run.returncode == 0, run.output
         assert not run.leftovers()
     assert EPISODE_LINE.findall(agent.stdout) == EPISODE_LINE.findall(spawned.stdout)[:10]
-    assert re.fullmatch(r"observer1: 1 intra-op thread\(s\) on \d+ core\(s\) \(.*\)\n"
+    assert re.fullmatch(r"Threads: observer1 1 \(on \d+ core\(s\); OMP_NUM_THREADS to change\)\n"
                         r"observer1 \(rank 1 of 2\): waiting for the other ranks at "
                         r"localhost:\d+, up to 60 s\n"
                         r"observer1: joined the other 1 rank\(s\)\n",
