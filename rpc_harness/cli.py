@@ -114,8 +114,7 @@ def parse_args(parser, argv, names, summary, heavy=None, loops=None, per_rank=()
     return args
 
 def listen(addr, port):
-    family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
-    return socket.create_server((addr, port), family=family)
+    return socket.create_server((addr, port), family=socket.getaddrinfo(addr, port)[0][0])
 
 def check_folder(parser, folder):
     """--profile's folder, made if missing."""

@@ -72,10 +72,11 @@ def _join():
                   if _rank == 0 and not args.torchrun else
                   dist.TCPStore(args.master_addr, args.master_port, is_master=False,
                                 timeout=datetime.timedelta(seconds=args.init_timeout)))
-    except (RuntimeError, OSError) as err:  # OSError: rank 0's port, taken since it was checked
+    except OSError as err:  # rank 0's port, taken since it was checked
+        _exit(f"{_name}: cannot listen on {where} ({err.strerror})", status=2)
+    except RuntimeError:  # the store's client gave up
         _exit(f"{_name}: {first} did not come: nothing answered at {where} within "
-              f"{args.init_timeout:g} s (--init_timeout); start it with the same flags"
-              if time.monotonic() >= deadline else f"{_name}: lost {first} at {where} ({err})")
+              f"{args.init_timeout:g} s (--init_timeout); start it with the same flags")
     try:
         claims = _meet(watch, deadline, where)
         if _rank == 0:  # rank 0 takes each connection that names a rank of its own

@@ -574,17 +574,16 @@ def test_ranks_with_different_flags_end_at_once_naming_the_flag(runs):
 
 @pytest.mark.slow
 def test_a_rank_started_twice_is_told_it_is_taken(runs):
+    """The second command ends with one line; the run goes on."""
     port = find_free_port()
-    agent = start(runs, "rl_cartpole", "--master_port", port, rank=0)
-    first = start(runs, "rl_cartpole", "--master_port", port, rank=1)
+    agent = start(runs, "rl_cartpole", "--master_port", port, rank=0, endless=True)
+    first = start(runs, "rl_cartpole", "--master_port", port, rank=1, endless=True)
     first.wait_for_output(r"^observer1: joined", timeout=90)
     second = start(runs, "rl_cartpole", "--master_port", port, rank=1).wait(timeout=60)
     assert second.returncode == 2
     assert re.search(r"^observer1: rank 1 is taken: process \d+ on \S+ joined as rank 1 first; "
                      r"give every rank its own --rank\n\Z", second.stderr, re.M), second.stderr
-    for run in (agent, first):
-        run.wait(timeout=60)
-        assert run.returncode == 0, run.output
+    assert agent.proc.poll() is None and first.proc.poll() is None
 
 
 # --------- torchrun, and several hosts --------------------
