@@ -3,7 +3,7 @@ band per rank, its main thread and then its other threads (RPC's) packed into as
 their overlap needs, a bar per top-level event with the events inside it as thinner bars, named
 where they are wide enough. `make pictures` draws the READMEs' pictures with it.
 
-    python bench/draw_timeline.py traces/timeline.json picture.png [--step "step 4"]
+    python bench/draw_timeline.py traces/timeline.json picture.png [--step "ProfilerStep#3"]
     python bench/draw_timeline.py traces/timeline.json picture.png [--first NAME] [--last NAME]
 
 --step crops the picture to the first event named so (a looping rank's step, in rank order);
@@ -103,7 +103,7 @@ def window(tracks, first=None, last=None, step=None):
 
 
 def color(name):
-    if name.startswith(("rpc_", "RPC ")):
+    if name.startswith("rpc_"):
         return COLORS["rpc"]
     return COLORS["aten"] if name.startswith("aten::") else COLORS["other"]
 
@@ -136,7 +136,7 @@ def draw(trace, path, first=None, last=None, title=None, step=None):
     axes.set_xlabel("ms from the start of the window shown")
     axes.set_title(title or "one timeline of every rank", fontsize=10)
     for label, shade in COLORS.items():
-        axes.barh(0, 0, color=shade, label={"rpc": "RPC: a call, or a function run for one",
+        axes.barh(0, 0, color=shade, label={"rpc": "RPC: a call (rpc_async#...)",
                                             "aten": "operator", "other": "other"}[label])
     axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.5 / max(1, len(rows)) - 0.12),
                 ncol=3, fontsize=7)
@@ -151,7 +151,8 @@ def main(argv=None):
     parser.add_argument("picture", help="the PNG to write")
     parser.add_argument("--first", help="crop from the first event whose name starts so")
     parser.add_argument("--last", help="crop to the end of the last event whose name starts so")
-    parser.add_argument("--step", help="crop to the first event with this name (\"step 4\")")
+    parser.add_argument("--step", help="crop to the first event with this name "
+                                       "(\"ProfilerStep#3\", a looping rank's 4th step)")
     parser.add_argument("--title", help="the picture's title")
     args = parser.parse_args(argv)
     with open(args.timeline) as file:

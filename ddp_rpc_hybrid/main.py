@@ -124,6 +124,7 @@ def _run_trainer(emb_rref, rank, args):
         print("Training done for epoch {}".format(epoch))
         epoch_losses.append(sum(losses) / len(losses))
         print(f"trainer{rank}: epoch {epoch} loss {epoch_losses[-1]:.4f}")
+    # not in the tutorial: the summary's figures
     report_trainer(epoch_losses, time.perf_counter() - started, model.fc.parameters())
 
 
@@ -159,6 +160,7 @@ def run_worker(rank, world_size, args):
         # Wait for all training to finish.
         for fut in futs:
             fut.wait()
+        # not in the tutorial: how far the table moved, for the summary
         report_table(table_before, rpc.rpc_sync("ps", _get_embedding_weights, args=(emb_rref,)))
     elif rank < num_trainers:
         # the trainers' own process group, for DDP

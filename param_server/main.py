@@ -203,7 +203,7 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, args):
                         net.param_server_rref,
                         cid) != []
                 opt.step(cid)
-    report_training(train_loader, time.perf_counter() - started, args)
+    report_training(train_loader, time.perf_counter() - started, args)  # not in the tutorial
 
     print("Training complete!")
     print("Getting accuracy....")

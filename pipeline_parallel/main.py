@@ -201,7 +201,7 @@ def run_master(num_split, args):
         seconds.append(time.perf_counter() - started)
         losses.append(loss.item())
         print(f"num_split {num_split}, batch {i}: loss {loss.item():.4f}, {seconds[-1]:.3f} s")
-    report(num_split, losses, seconds)
+    report(num_split, losses, seconds)  # not in the tutorial: the summary's figures
 
 
 # Step 4: Launch RPC Processes

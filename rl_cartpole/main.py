@@ -187,6 +187,7 @@ def run_worker(rank, world_size, args, agent_class=Agent):
             if i_episode == args.max_episodes:
                 print(f"Stopped after {i_episode} episodes (--max_episodes), unsolved")
                 break
+        # not in the tutorial: the summary's figures
         report(agent, i_episode, last_reward, time.perf_counter() - started)
     else:
         # other ranks are the observer

@@ -1,12 +1,40 @@
 """The command line every example shares; bad input ends it in one line, status 2, before any
-rank starts or any port opens."""
+rank starts or any port opens. First, before torch loads, what torch reads as it loads."""
 
 import argparse
 import os
+import signal
 import socket
 import sys
 import time
+import warnings
+from pathlib import Path
 from types import SimpleNamespace
+
+# Expected failures get one line of ours; torch's C++ code would log them too, with stack traces.
+# The profiler (Kineto) logs its starts and stops, and an "ERROR" without a GPU: 6 is above all.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+# Harmless deprecation warnings from inside torch's RPC stack (its agent's process group, the
+# TorchScript optimizers of DistributedOptimizer, shown under simplefilter("always")).
+warnings.filterwarnings("ignore", message=r".*as a ProcessGroup\. This usage is deprecated")
+
+def _show_warning_unless_torchscript_optimizer(message, *args, show=warnings.showwarning, **kw):
+    if not str(message).startswith("`TorchScript` support for functional optimizers is deprec"):
+        show(message, *args, **kw)
+
+def _interrupted_while_loading(number, frame):
+    print("interrupted", file=sys.stderr)
+    os._exit(130)
+
+warnings.showwarning = _show_warning_unless_torchscript_optimizer
+# Ctrl-C while torch loads ends an example's command in one line, as later (not the tests, nor
+# the ranks that spawn() starts, which ignore it).
+if (Path(getattr(sys.modules["__main__"], "__file__", "/")).resolve().parent.parent
+        == Path(__file__).resolve().parent.parent
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+    signal.signal(signal.SIGINT, _interrupted_while_loading)
 
 STARTED = time.time()  # before torch loads: the summary's seconds count from here
 parsed = None  # this process's command line, for spawn()

@@ -1,6 +1,5 @@
-"""What torch 2.4 lacks: a profiler of every thread (it records, and stops from, its own thread
-only; pytorch/pytorch#143659), and a libuv TCPStore that serves on a socket of ours (from 2.8,
-pytorch/pytorch#150215): rank 0's store is the classic one, on every version."""
+"""What torch 2.4 lacks: a profiler of every thread (pytorch/pytorch#143659: it records, and stops
+from, its own only), a libuv TCPStore on a socket of ours (2.8, #150215): the classic store here."""
 
 import datetime
 
@@ -10,9 +9,8 @@ import torch.distributed as dist
 
 def profiler_options():
     """torch.profiler.profile's arguments, and whether it records every thread."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    kinds = torch.profiler.ProfilerActivity
+    activities = [kinds.CPU, kinds.CUDA] if torch.cuda.is_available() else [kinds.CPU]
     try:
         config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     except TypeError:  # an argument this torch does not know

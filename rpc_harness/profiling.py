@@ -1,7 +1,6 @@
-"""--profile DIR: each rank profiles itself. Those whose loops call profile_step() record
---profile_steps steps after WARMUP_STEPS (spans ProfilerStep#N), the others, which serve them,
-until every looping rank's window has closed (a count in rank 0's store). Rank 0 merges the
-traces into one timeline at the end, or says how: python -m rpc_harness.profiling FOLDER"""
+"""--profile DIR: each rank profiles itself, those that call profile_step() --profile_steps steps
+after WARMUP_STEPS (ProfilerStep#N), those that serve them until every such window has closed (a
+count in rank 0's store). Rank 0 merges the traces, or says how: python -m rpc_harness.profiling"""
 
 import contextlib
 import json
@@ -18,14 +17,13 @@ WARMUP_STEPS = 2
 TIMELINE = "timeline.json"
 _CLOSED = "rpc_harness/profiles_closed"
 
-_on, _loops, _steps = False, False, 0  # --profile here; this rank loops; its steps so far
+_on = _loops = False  # --profile here; this rank loops
 _args = _name = _store = _prof = None  # _prof: None before it starts, False once written
 _meta = {}  # what the merge reads in the trace
 _lock = threading.Lock()  # the trace is written once, by whichever thread gets there first
 
 def begin(args, rank, name, store, run):
-    """At the join, on the main thread: Kineto's first start must be there (else an ERROR), and a
-    profiler that does not step (the others') starts there, torch 2.4 stopping it there."""
+    """At the join, on the main thread: Kineto must first start there, and torch 2.4 stop there."""
     global _on, _args, _name, _store, _loops, _prof
     _on = bool(getattr(args, "profile", None)) and args.harness.loops is not None
     if _on:
@@ -45,14 +43,12 @@ def _start(**kwargs):
     return prof
 
 def step():
-    global _prof, _steps
-    if _on:
-        _steps += 1
-        if _prof is None:
-            _prof = _start(on_trace_ready=_write, schedule=torch.profiler.schedule(
-                wait=WARMUP_STEPS - 1, warmup=1, active=_args.profile_steps, repeat=1))
-        elif _prof:
-            _prof.step()
+    global _prof
+    if _on and _prof is None:
+        _prof = _start(on_trace_ready=_write, schedule=torch.profiler.schedule(
+            wait=WARMUP_STEPS - 1, warmup=1, active=_args.profile_steps, repeat=1))
+    elif _on and _prof:
+        _prof.step()
 
 def beat():
     if _on and not _loops and _prof and _store.add(_CLOSED, 0) >= len(_args.harness.loops):

@@ -1,9 +1,9 @@
-"""init_rpc() and init_process_group() meet through the handler registered here for
-"harness://": the first call joins every rank at rank 0's store. Then each rank holds a TCP
-connection to rank 0: a process that ends closes it at once, however it ends, so rank 0 tells
-the others, and each stops in one line wherever it waits (rpc.shutdown() too, which would wait
-for a dead peer for ever). A rank that is done says "bye"; one silent for --rpc_timeout is lost."""
+"""init_rpc() and init_process_group() meet through the handler for "harness://": the first
+call joins every rank at rank 0's store. Then each rank holds a TCP connection to rank 0, which a
+process closes however it ends: rank 0 tells the others, each stops in one line wherever it waits
+(rpc.shutdown() would wait for ever). Done, a rank says "bye"; silent for --rpc_timeout, lost."""
 
+import contextlib
 import datetime
 import fcntl
 import ipaddress
@@ -15,7 +15,6 @@ import struct
 import sys
 import threading
 import time
-import urllib.parse
 from pathlib import Path
 
 import torch.distributed as dist
@@ -49,7 +48,7 @@ def options(num_worker_threads=16):
 def _rendezvous(url, **kwargs):
     if _store is None:
         _join()
-    query = dict(urllib.parse.parse_qsl(urllib.parse.urlparse(url).query))
+    query = dict(pair.split("=") for pair in url.partition("?")[2].split("&"))
     yield _store, int(query["rank"]), int(query["world_size"])
 
 dist.register_rendezvous_handler(INIT_METHOD.split(":")[0], _rendezvous)
@@ -92,8 +91,6 @@ def _join():
             _peers[0].sendall(struct.pack("!I", _rank))
     except (RuntimeError, OSError) as err:  # rank 0's store, or a rank, went away meanwhile
         _exit(f"{_name}: lost a rank while joining at {where} ({str(err).splitlines()[0]})")
-    for sock in _peers.values():
-        sock.setblocking(False)
     print(f"{_name}: joined the other {world - 1} rank(s)")
     profiling.begin(args, _rank, _name, _store, f"{claims[0]['host']}:{claims[0]['pid']}")
     threading.Thread(target=_watch, daemon=True, name="rpc_harness watch").start()
@@ -171,14 +168,10 @@ def _choose_network_interface(addr):
         for variable in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(variable, name)
 
-def _ipv4_address(interface):  # Linux
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            reply = fcntl.ioctl(sock.fileno(), 0x8915,  # SIOCGIFADDR
-                                struct.pack("256s", interface.encode()[:15]))
-    except OSError:
-        return None
-    return socket.inet_ntoa(reply[20:24])
+def _ipv4_address(interface):  # Linux's SIOCGIFADDR; None for an interface without one
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock, contextlib.suppress(OSError):
+        return socket.inet_ntoa(fcntl.ioctl(sock.fileno(), 0x8915, struct.pack(
+            "256s", interface.encode()[:15]))[20:24])
 
 def _watch():
     """Every second say "." to every peer, and read theirs: "bye", "gone R", or a closed end."""
@@ -191,10 +184,9 @@ def _watch():
             beat = time.monotonic() + HEARTBEAT_SECONDS
         for sock in select.select(list(socks), [], [], HEARTBEAT_SECONDS)[0]:
             rank = socks[sock]
-            try:
+            data = b""
+            with contextlib.suppress(OSError):  # a reset: closed too
                 data = sock.recv(4096)
-            except OSError:
-                data = b""
             if not data:
                 del socks[sock]
                 if rank not in _left:
@@ -215,17 +207,15 @@ def _watch():
 
 def _send(message):
     for sock in _peers.values():
-        try:
+        with contextlib.suppress(OSError):  # a peer that is gone, which the watch finds
             sock.send(message)
-        except OSError:  # a peer that is gone, which the watch finds
-            pass
 
 def _peer_lost(rank, how):
-    """End, in one line (under spawn-all, rank 0's), rank 0 telling the others which rank went."""
+    """End in one line (spawn-all: the launcher's); rank 0 tells the others which rank went."""
     if not _lost.is_set():
         _lost.set()
         _send(f"gone {rank}\n".encode())
-        _exit(None if _args.harness.spawned and _rank else
+        _exit(None if _args.harness.spawned else
               f"{_name}: lost contact with {_args.harness.names[rank]} (rank {rank}, {how}); "
               "stopping")
 

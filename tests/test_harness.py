@@ -394,18 +394,19 @@ KILL_CASES = [("param_server", 1, "per-rank"), ("param_server/batch.py", 1, "per
 @pytest.mark.parametrize("key, victim, mode", KILL_CASES,
                          ids=[f"{k}-{RUNS[k].roles[r]}-{m}" for k, r, m in KILL_CASES])
 def test_killed_rank_stops_every_other_rank(key, victim, mode, runs):
-    """SIGKILL one rank mid-run: every other rank ends within the bound, the command that runs
-    rank 0 naming the lost peer in one line, status 1, and nothing is left running. Spawn-all
-    runs also check that nothing listens beyond loopback."""
+    """SIGKILL one rank mid-run: every other rank ends within the bound, each command naming the
+    rank that went in one line (one rank per terminal: the lost peer; spawn-all: the killed
+    rank), status 1, and nothing is left running. Spawn-all runs also check that nothing
+    listens beyond loopback."""
     config = RUNS[key]
     port = find_free_port()
     if mode == "spawn-all":
         launcher = start(runs, key, "--master_port", port, endless=True)
         launcher.wait_for_output(config.working, timeout=90)
         assert_listening_on_loopback_only(launcher, config.world_size)
-        ranks = launcher.children()  # ranks 1.., rank 0 being the command's own process
-        assert len(ranks) == config.world_size - 1
-        survivors, victim_pid = [launcher], ranks[victim - 1]
+        ranks = launcher.children()
+        assert len(ranks) == config.world_size
+        survivors, victim_pid = [launcher], ranks[victim]
     else:
         processes = [start(runs, key, "--master_port", port, rank=rank, endless=True)
                      for rank in range(config.world_size)]
@@ -423,7 +424,9 @@ def test_killed_rank_stops_every_other_rank(key, victim, mode, runs):
         assert not survivor.leftovers()
         # one line, naming the rank that went (whoever told): no C++ warnings or traces about it
         assert re.fullmatch(rf"\w+: lost contact with {victim_name} \(rank {victim}, .*\); "
-                            r"stopping\n", survivor.stderr), survivor.stderr
+                            r"stopping\n" if mode == "per-rank" else
+                            rf"{victim_name} \(rank {victim}\) was killed by SIGKILL; stopped the "
+                            r"other ranks\n", survivor.stderr), survivor.stderr
 
 
 @pytest.mark.slow
@@ -440,7 +443,7 @@ def test_a_rank_killed_while_profiling_loses_only_its_own_trace(mode, runs, tmp_
     if mode == "spawn-all":
         launcher = start(runs, "param_server", *common, endless=True)
         launcher.wait_for_output(windows_open, timeout=90)
-        survivors, victim_pid = [launcher], launcher.children()[1]
+        survivors, victim_pid = [launcher], launcher.children()[2]
     else:
         processes = [start(runs, "param_server", *common, rank=rank, endless=True)
                      for rank in range(3)]
@@ -468,7 +471,7 @@ def test_killed_launcher_takes_its_ranks_with_it(runs):
     unseen."""
     launcher = start(runs, "pipeline_parallel", "--master_port", find_free_port(), endless=True)
     launcher.wait_for_output(RUNS["pipeline_parallel"].working, timeout=90)
-    assert len(launcher.children()) == 2
+    assert len(launcher.children()) == 3
     os.kill(launcher.proc.pid, signal.SIGKILL)
     launcher.proc.wait(timeout=10)
     assert not launcher.leftovers(grace=EXIT_BOUND_SECONDS)
@@ -523,7 +526,7 @@ def test_a_waiting_rank_ends_at_once_on_ctrl_c_or_sigterm(runs):
 def test_ctrl_c_mid_run(runs):
     """Ctrl-C mid-run: to one rank in its terminal (ddp_rpc_hybrid's master, which waits in
     torch's C++ code for the trainers' whole loops), and to every process of a spawn-all run,
-    as a terminal sends it: rank 0, the command's own process, says so, the others end with it."""
+    as a terminal sends it: the command that started the ranks stops them, in one line."""
     port = find_free_port()
     ranks = [start(runs, "ddp_rpc_hybrid", "--master_port", port, rank=rank, endless=True)
              for rank in range(3)]
@@ -537,7 +540,7 @@ def test_ctrl_c_mid_run(runs):
         run.wait(timeout=30)
         assert time.monotonic() - sent < 2 and run.returncode == 130, run.output
     assert ranks[1].stderr == "master: interrupted\n", ranks[1].stderr
-    assert spawn_all.stderr == "agent: interrupted\n", spawn_all.stderr
+    assert spawn_all.stderr == "interrupted; stopped every rank\n", spawn_all.stderr
     for survivor in (ranks[0], ranks[2]):
         survivor.wait(timeout=EXIT_BOUND_SECONDS + 30)
         assert survivor.returncode == 1 and "lost contact with master" in survivor.stderr
