@@ -8,9 +8,8 @@ from conftest import (
     TCP,
     check_timeline,
     find_free_port,
-    finish_together,
     load_example,
-    start_example,
+    run_example,
 )
 
 hybrid = load_example("ddp_rpc_hybrid")
@@ -174,30 +173,35 @@ PROFILED = "emb_rref"  # the run of the two that also writes --profile's traces
 
 @pytest.fixture(scope="module")
 def spawn_all_runs(tmp_path_factory):
-    """A spawn-all run (two trainers, the master, ps) of each revision, started together."""
-    tmp = tmp_path_factory.mktemp("ddp")
-    runs = {name: start_example("ddp_rpc_hybrid", "--epochs", 10, *TCP, "--master_port",
-                                find_free_port(), "--summary_json", tmp / f"{name}.json",
-                                *(("--profile", tmp / "trace") if name == PROFILED else ()),
-                                log_dir=tmp, script=script)
-            for name, script in REVISIONS.items()}
-    finish_together(list(runs.values()), timeout=150)
-    return {name: (run, json.loads((tmp / f"{name}.json").read_text())
-                   if (tmp / f"{name}.json").exists() else None)
-            for name, run in runs.items()}
+    """spawn_all_runs(revision): its spawn-all run (two trainers, the master, ps), made when a
+    test first asks for it; (the run, its summary)."""
+    tmp, done = tmp_path_factory.mktemp("ddp"), {}
+
+    def spawn_all(name):
+        if name not in done:
+            summary = tmp / f"{name}.json"
+            run = run_example("ddp_rpc_hybrid", "--epochs", 10, *TCP, "--master_port",
+                              find_free_port(), "--summary_json", summary,
+                              *(("--profile", tmp / "trace") if name == PROFILED else ()),
+                              timeout=150, log_dir=tmp, script=REVISIONS[name])
+            done[name] = run, json.loads(summary.read_text()) if summary.exists() else None
+        return done[name]
+    return spawn_all
 
 
 def test_the_profiled_timeline_shows_the_ps_embedding_bag(spawn_all_runs):
     """--profile: a track per rank (the trainers, the master, the ps), and the ps's EmbeddingBag
     looking up the bags of the trainers' steps."""
-    run, _ = spawn_all_runs[PROFILED]
+    run, _ = spawn_all_runs(PROFILED)
     check_timeline([run], run.log_dir / "trace", ["trainer0", "trainer1", "master", "ps"], "ps",
                    {"aten::embedding_bag", "aten::_embedding_bag"})
 
 
-@pytest.fixture(params=REVISIONS)
+# The 2021 revision's run is in the whole suite only: the quick one runs each tutorial's main.py
+# end to end, within its time.
+@pytest.fixture(params=[PROFILED, pytest.param("remote_module", marks=pytest.mark.slow)])
 def two_trainers(spawn_all_runs, request):
-    return spawn_all_runs[request.param]
+    return spawn_all_runs(request.param)
 
 
 def test_spawn_all_trains_both_trainers(two_trainers):

@@ -8,9 +8,8 @@ import torch.distributed.rpc as rpc
 from conftest import (
     check_timeline,
     find_free_port,
-    finish_together,
     load_example,
-    start_example,
+    run_example,
     write_mnist,
 )
 from example_modules import example_modules
@@ -227,45 +226,34 @@ def logged_losses(output, rank):
                                           output, re.M)]
 
 
+def spawn_all(tmp, *args, script="main.py"):
+    """A server and two trainers from one command; (its run, its summary)."""
+    summary = tmp / "summary.json"
+    run = run_example("param_server", "--world_size", 3, "--dataset", "synthetic",
+                      "--max_batches", 60, "--log_interval", 20, "--master_port",
+                      find_free_port(), "--summary_json", summary, *args, timeout=240,
+                      log_dir=tmp, script=script)
+    return run, json.loads(summary.read_text()) if summary.exists() else None
+
+
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """The spawn-all runs of this file, started together:
-    - two_trainers: every rank from one command, a server and two trainers at once, profiled;
-    - batch: the same with the batch-updating server (batch.py)."""
+def two_trainers(tmp_path_factory):
+    """The tutorial's server and two trainers at once, profiled."""
     tmp = tmp_path_factory.mktemp("ps")
-
-    def start(*args, summary=None, script="main.py"):
-        summary_args = ("--summary_json", tmp / f"{summary}.json") if summary else ()
-        return start_example("param_server", *args, *summary_args, log_dir=tmp, script=script)
-
-    common = ["--world_size", 3, "--dataset", "synthetic", "--max_batches", 60,
-              "--log_interval", 20]
-    started = {
-        "two_trainers": [start(*common, "--master_port", find_free_port(),
-                               "--profile", tmp / "trace", summary="two_trainers")],
-        "batch": [start(*common, "--master_port", find_free_port(), summary="batch",
-                        script="batch.py")],
-    }
-    finish_together([run for runs in started.values() for run in runs], timeout=240)
-    summaries = {name: json.loads((tmp / f"{name}.json").read_text())
-                 for name in started if (tmp / f"{name}.json").exists()}
-    return started, summaries
+    return spawn_all(tmp, "--profile", tmp / "trace")
 
 
 @pytest.fixture(scope="module")
-def two_trainers(finished):
-    return finished[0]["two_trainers"][0], finished[1].get("two_trainers")
+def batch_run(tmp_path_factory):
+    """The same with the batch-updating server (batch.py). Its tests are in the whole suite
+    only: the quick one runs each tutorial's main.py end to end, within its time."""
+    return spawn_all(tmp_path_factory.mktemp("ps_batch"), script="batch.py")
 
 
-@pytest.fixture(scope="module")
-def batch_run(finished):
-    return finished[0]["batch"][0], finished[1].get("batch")
-
-
-def test_the_profiled_timeline_shows_the_servers_convolutions(finished):
+def test_the_profiled_timeline_shows_the_servers_convolutions(two_trainers):
     """--profile: a track per rank, and the parameter server running the model's forward and
     backward for the trainers' steps (the tutorial's "the forward runs on the server")."""
-    run = finished[0]["two_trainers"][0]
+    run, _ = two_trainers
     check_timeline([run], run.log_dir / "trace", ["parameter_server", "trainer_1", "trainer_2"],
                    "parameter_server", {"aten::conv2d", "aten::convolution"})
 
@@ -295,6 +283,7 @@ def test_spawn_all_learned(two_trainers):
     assert summary["samples"] == 2 * 60 * 32 and summary["samples_per_second"] > 0
 
 
+@pytest.mark.slow
 def test_batch_mode_runs_the_batch_tutorials_server_and_trainers(batch_run):
     run, summary = batch_run
     assert run.returncode == 0, run.output
@@ -309,6 +298,7 @@ def test_batch_mode_runs_the_batch_tutorials_server_and_trainers(batch_run):
     assert summary["batches_per_trainer"] == {"trainer1": 60, "trainer2": 60}
 
 
+@pytest.mark.slow
 def test_batch_mode_is_synchronous(batch_run):
     """Every model the server published saw exactly batch_update_size gradients, one from each
     trainer, and both trainers end with the same weights."""
@@ -318,6 +308,7 @@ def test_batch_mode_is_synchronous(batch_run):
     assert summary["identical_final_weights"] is True
 
 
+@pytest.mark.slow
 def test_batch_mode_learned(batch_run):
     run, summary = batch_run
     # Seen on 2 cores: 0.86-0.97 after 60 steps of 64 samples; chance is 0.1.

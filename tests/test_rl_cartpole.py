@@ -12,9 +12,8 @@ from conftest import (
     TCP,
     check_timeline,
     find_free_port,
-    finish_together,
     load_example,
-    start_example,
+    run_example,
 )
 from example_modules import example_modules
 from torch.distributions import Categorical
@@ -111,7 +110,7 @@ def rl_world(rpc_world):
 
 @pytest.fixture
 def batching_agent(rl_world):
-    """An agent in --batch mode at the start of an episode of three observers (ids 1, 2, 3)."""
+    """An agent of batch.py at the start of an episode of three observers (ids 1, 2, 3)."""
     agent = rl_batch.BatchAgent(world_size=1, args=SimpleNamespace(seed=1, gamma=0.99))
     agent.policy = CountingPolicy()
     for ob_id in (1, 2, 3):
@@ -121,7 +120,7 @@ def batching_agent(rl_world):
 
 
 def ask_for_action(ob_id, first_value):
-    """What observer `ob_id` sends in --batch mode, from this process."""
+    """What observer `ob_id` sends in batch.py, from this process."""
     state = np.array([first_value, 0.0, 0.0, 0.0], dtype=np.float32)
     return rpc.rpc_async(rpc.get_worker_info(), rl_batch.BatchAgent.select_action_batch,
                          args=(ob_id, state))
@@ -252,7 +251,7 @@ EPISODE_LINE = re.compile(r"^Episode (\d+)\tLast reward: (\S+)\tAverage reward: 
 # the default run's result. Over 60 episodes, in one process with this training: 20 of 20
 # seeds on torch 2.14 and 18 of 20 on 2.4 (two whose first policy always pushed one way).
 EPISODES = 60
-# --batch with two observers: its "Last reward" is the shorter of two episodes, which rises
+# batch.py with two observers: its "Last reward" is the shorter of two episodes, which rises
 # more evenly (each update learns from two). Over 30 episodes, in one process with this
 # training, the last 10 were 1.34 to 5.6 times the first 10 for 20 of 20 seeds on torch 2.14,
 # 1.43 to 4.4 on 2.4. Another device samples other actions, as another seed does.
@@ -268,40 +267,40 @@ def episode_rewards(output):
     return [float(last) for _, last, _ in EPISODE_LINE.findall(output)]
 
 
+def spawn_all(tmp, *args, script="main.py"):
+    """An agent and its observers from one command; (its run, its summary)."""
+    summary = tmp / "summary.json"
+    run = run_example("rl_cartpole", "--log_interval", 1, *TCP, "--master_port",
+                      find_free_port(), "--summary_json", summary, *args, timeout=150,
+                      log_dir=tmp, script=script)
+    return run, json.loads(summary.read_text()) if summary.exists() else None
+
+
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """The spawn-all runs of this file, started together:
-    - tutorial: the tutorial's agent and one observer, profiled;
-    - batch: batch.py's agent with two observers."""
+def tutorial(tmp_path_factory):
+    """The tutorial's agent and one observer, profiled."""
     tmp = tmp_path_factory.mktemp("rl")
-
-    def start(*args, summary=None, script="main.py"):
-        summary_args = ("--summary_json", tmp / f"{summary}.json") if summary else ()
-        return start_example("rl_cartpole", "--log_interval", 1, *TCP, *args, *summary_args,
-                             log_dir=tmp, script=script)
-
-    started = {
-        "tutorial": [start("--max_episodes", EPISODES, "--master_port", find_free_port(),
-                           "--profile", tmp / "trace", summary="tutorial")],
-        "batch": [start("--world_size", 3, "--max_episodes", BATCH_EPISODES,
-                        "--master_port", find_free_port(), summary="batch", script="batch.py")],
-    }
-    finish_together([run for runs in started.values() for run in runs], timeout=150)
-    summaries = {name: json.loads((tmp / f"{name}.json").read_text())
-                 for name in ("tutorial", "batch") if (tmp / f"{name}.json").exists()}
-    return started, summaries
+    return spawn_all(tmp, "--max_episodes", EPISODES, "--profile", tmp / "trace")
 
 
-def test_the_profiled_timeline_shows_the_agent_answering_the_observer(finished):
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    """batch.py's agent with two observers. Its test is in the whole suite only: the quick one
+    runs each tutorial's main.py end to end, within its time."""
+    return spawn_all(tmp_path_factory.mktemp("rl_batch"), "--world_size", 3, "--max_episodes",
+                     BATCH_EPISODES, script="batch.py")
+
+
+def test_the_profiled_timeline_shows_the_agent_answering_the_observer(tutorial):
     """--profile: a track per rank; inside the agent's steps, an episode each, its RPC threads
     run select_action for the observer's every step (sampling the policy's action)."""
-    run = finished[0]["tutorial"][0]
+    run, _ = tutorial
     check_timeline([run], run.log_dir / "trace", ["agent", "observer1"], "agent",
                    {"aten::multinomial"})
 
 
-def test_spawn_all_runs_the_tutorials_episodes(finished):
-    (run,), summary = finished[0]["tutorial"], finished[1]["tutorial"]
+def test_spawn_all_runs_the_tutorials_episodes(tutorial):
+    run, summary = tutorial
     assert run.returncode == 0, run.output
     assert [int(i) for i, _, _ in EPISODE_LINE.findall(run.stdout)] == list(range(1, EPISODES + 1))
     assert f"Stopped after {EPISODES} episodes (--max_episodes), unsolved" in run.stdout
@@ -314,20 +313,20 @@ def test_spawn_all_runs_the_tutorials_episodes(finished):
     assert summary["steps_per_second"] > 0 and summary["wall_seconds"] > 0
 
 
-def test_spawn_all_learned(finished):
-    (run,), summary = finished[0]["tutorial"], finished[1]["tutorial"]
+def test_spawn_all_learned(tutorial):
+    run, summary = tutorial
     rewards = episode_rewards(run.stdout)
     assert learned(rewards, 1.5), rewards  # a random policy lasts about 20 steps
     assert summary["running_reward"] > 20, summary
 
 
 @pytest.mark.slow
-def test_ranks_as_separate_commands_repeat_the_run(finished, runs):
+def test_ranks_as_separate_commands_repeat_the_run(tutorial, runs):
     """The observer started before the agent; with one observer and one seed it plays the
     episodes of the spawn-all run. Only the first 10 are compared: the weights drift apart in
     their last bits from the first update (see "Seeding" in rl_cartpole/README.md), and after
     some tens of episodes an action comes out differently."""
-    (spawned,) = finished[0]["tutorial"]
+    spawned, _ = tutorial
     common = ["--world_size", 2, "--master_port", find_free_port(), "--max_episodes", 10,
               "--log_interval", 1]
     observer = runs.start("rl_cartpole", *common, "--rank", 1)
@@ -344,8 +343,9 @@ def test_ranks_as_separate_commands_repeat_the_run(finished, runs):
                         observer.stdout), observer.stdout
 
 
-def test_batched_agent_with_two_observers_learns(finished):
-    (run,), summary = finished[0]["batch"], finished[1]["batch"]
+@pytest.mark.slow
+def test_batched_agent_with_two_observers_learns(batch):
+    run, summary = batch
     assert run.returncode == 0, run.output
     device = "cuda:0" if torch.cuda.device_count() else "cpu"
     assert f"Agent: batched actions for 2 observer(s), policy on {device}" in run.stdout
