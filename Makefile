@@ -67,9 +67,10 @@ run: $(VENV)/.run-installed
 	@echo "== rpc_profiling: the profiling recipe's RPCs, then both ranks profiled, one timeline in traces/"
 	@$(PY) rpc_profiling/main.py
 
-# bench/RESULTS-<cores>-cores.md and its chart: RPC against one process, side by side (13-17
-# minutes on 2 cores; QUICK=1: one shorter repetition, 4-5 minutes). SOLVE=1: instead,
-# rl_cartpole trained until solved, two ways, into bench/SOLVE.md (about 8 minutes).
+# bench/RESULTS-<cores>-cores.md and its chart: RPC against one process, side by side (about
+# 10 minutes on 2 cores; QUICK=1: one shorter repetition, 4-5 minutes). SOLVE=1: instead,
+# rl_cartpole trained until solved, two ways, into bench/SOLVE.md (9 minutes here; more when
+# a run needs many episodes).
 bench: $(VENV)/.dev-installed
 	$(PY) bench/bench.py $(if $(QUICK),--quick) $(if $(SOLVE),--solve)
 

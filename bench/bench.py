@@ -6,7 +6,7 @@ max. While an example trains, the CPU time of its threads is read from /proc and
 thread name, which shows where the time goes. Writes bench/RESULTS-<N>-cores.md and
 bench/ratios-<N>-cores.png, N being this machine's cores, so that machines keep their own files.
 
-    python bench/bench.py            # three repetitions and the test suite: 13-17 min on 2 cores
+    python bench/bench.py            # three repetitions and the test suite: about 10 min on 2 cores
     python bench/bench.py --quick    # one repetition of shorter runs: 4-5 minutes
     python bench/bench.py --solve    # rl_cartpole until solved, two ways: bench/SOLVE.md
 """
@@ -84,6 +84,7 @@ def _threads(pids):
 class Result:
     summary: dict
     cores_by_thread: Counter  # thread name -> cores busy on average while it trained
+    output: str = ""  # what the example printed
 
 
 def run_example(cmd, start, end, timeout=900):
@@ -121,11 +122,11 @@ def run_example(cmd, start, end, timeout=900):
             seconds = last[0] - first[0]
             for tid, (name, ticks) in last[1].items():
                 cores[name] += (ticks - first[1].get(tid, (name, 0))[1]) / TICKS / seconds
-        return Result(json.loads(summary.read_text()), cores)
+        return Result(json.loads(summary.read_text()), cores, log.read_text())
 
 
-def example(name, *flags):
-    return [PY, ROOT / name / "main.py", "--master_port", "{port}", "--summary_json",
+def example(name, *flags, script="main.py"):
+    return [PY, ROOT / name / script, "--master_port", "{port}", "--summary_json",
             "{summary}", *flags]
 
 
@@ -180,19 +181,25 @@ def param_server_without(folder, name, module, line):
 
 
 def param_server_as_before(folder):
-    """param_server/ without this repository's fast path: launch.py with glibc's default malloc
-    behaviour (no keep_freed_memory()). Run it with --rpc_transport auto for the RPC agent's
-    default transports too."""
-    return param_server_without(folder, "param_server_before", "launch.py",
-                                "    keep_freed_memory()\n")
+    """param_server/main.py without this repository's fast path: glibc's default malloc
+    behaviour (the harness's _keep_freed_memory() off) in every rank, as spawn's children run
+    this script again as their __mp_main__. Run it with --rpc_transport auto for the RPC
+    agent's default transports too."""
+    script, main = Path(folder) / "param_server_before.py", ROOT / "param_server" / "main.py"
+    script.write_text(  # main.py's code run as this __main__, whose functions RPC pickles
+        "import sys\nimport rpc_harness.launch\n"
+        "rpc_harness.launch._keep_freed_memory = lambda: None\n"
+        f"sys.argv[0] = __file__ = {str(main)!r}\nsys.path.insert(0, {str(main.parent)!r})\n"
+        "exec(compile(open(__file__).read(), __file__, 'exec'))\n")
+    return script
 
 
 def param_server_before_profile(folder):
-    """param_server/ as it was before --profile: its loop without launch.profile_step(), which
-    is all that --profile adds to a run without it."""
+    """param_server/ as it was before --profile: its loop without rpc_harness.profile_step(),
+    which is all that --profile adds to a run without it."""
     return param_server_without(
         folder, "param_server_before_profile", "main.py",
-        " " * 12 + "launch.profile_step()  # not in the tutorial: --profile's window (launch.py)\n")
+        " " * 12 + "rpc_harness.profile_step()  # not in the tutorial: --profile's window\n")
 
 
 def ps_batches(quick):
@@ -239,26 +246,26 @@ def comparisons(quick, folder):
             Variant("3 trainers",
                     example("param_server", "--world_size", 4, "--dataset", "synthetic",
                             "--max_batches", ps_batches(quick) // 3), samples, ps_window),
-            Variant("3 trainers, --batch",
+            Variant("3 trainers, batch.py",
                     example("param_server", "--world_size", 4, "--dataset", "synthetic",
-                            "--max_batches", ps_batches(quick) // 3, "--batch"), samples,
+                            "--max_batches", ps_batches(quick) // 3, script="batch.py"), samples,
                     (r"training batch 0 loss", r"^Training complete!")),
         ]),
         Comparison("rl_cartpole_1", "rl_cartpole, 1 observer: environment steps", "steps/s", [
             Variant("one process, 1 environment"),
             Variant("tutorial mode", example("rl_cartpole", "--max_episodes", rl_episodes),
                     steps, rl_window),
-            Variant("--batch", example("rl_cartpole", "--max_episodes", rl_episodes, "--batch"),
-                    steps, rl_window),
+            Variant("batch.py", example("rl_cartpole", "--max_episodes", rl_episodes,
+                                        script="batch.py"), steps, rl_window),
         ]),
         Comparison("rl_cartpole_4", "rl_cartpole, 4 observers: environment steps", "steps/s", [
             Variant("one process, 4 environments"),
             Variant("tutorial mode",
                     example("rl_cartpole", "--world_size", 5, "--max_episodes", rl_episodes_4),
                     steps, rl_window),
-            Variant("--batch",
+            Variant("batch.py",
                     example("rl_cartpole", "--world_size", 5, "--max_episodes", rl_episodes_4,
-                            "--batch"), steps, rl_window),
+                            script="batch.py"), steps, rl_window),
         ]),
         Comparison("rnn_model_parallel", "rnn_model_parallel: iterations", "it/s", [
             Variant("one process"),
@@ -314,19 +321,25 @@ def rpc_roundtrip(repeats):
         return json.loads(out.read_text())
 
 
-SOLVES = {
-    "the default command: tutorial mode, 1 observer": (),
-    "`--world_size 5 --batch`: 4 observers, batched actions": ("--world_size", 5, "--batch"),
-}
+# (label, script, flags, runs): the default command several times, as runs of one seed drift
+# apart (rl_cartpole/README.md, "Seeding").
+SOLVES = [
+    ("`python rl_cartpole/main.py`: tutorial mode, 1 observer", "main.py", (), 3),
+    ("`python rl_cartpole/batch.py --world_size 5`: 4 observers, batched actions", "batch.py",
+     ("--world_size", 5), 1),
+]
 
 
 def solve_runs():
     """Train rl_cartpole until solved, at the default seed, each way in SOLVES."""
-    results = {}
-    for label, flags in SOLVES.items():
-        print(f"== rl_cartpole until solved, {label}", flush=True)
-        results[label] = run_example(example("rl_cartpole", *flags), r"^Episode \d+\t",
-                                     r"^(Stopped after|Solved!)", timeout=1800).summary
+    results = []
+    for label, script, flags, runs in SOLVES:
+        for run in range(runs):
+            print(f"== rl_cartpole until solved, {label}, run {run + 1} of {runs}", flush=True)
+            result = run_example(example("rl_cartpole", *flags, script=script),
+                                 r"^Episode \d+\t", r"^(Stopped after|Solved!)", timeout=1800)
+            print("".join(result.output.splitlines(keepends=True)[-12:]), flush=True)
+            results.append((label, result.summary))
     return results
 
 
@@ -379,12 +392,12 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
     ps_local, ps_now = ps.variants[0], ps.find("1 trainer")
     ps_shm = ps.find("1 trainer, before (shared memory, freed memory returned)")
     ps_tcp = ps.find("1 trainer, before (TCP, freed memory returned)")
-    rl4_tutorial, rl4_batch = rl4.find("tutorial mode"), rl4.find("--batch")
+    rl4_tutorial, rl4_batch = rl4.find("tutorial mode"), rl4.find("batch.py")
     rnn_auto, rnn_tcp = rnn.find("ps + trainer"), rnn.find("ps + trainer, --rpc_transport tcp")
     ddp_rpc = ddp.find("2 trainers under DDP, master, ps")
     ps_ratio = ps_now.median / ps_local.median
     batch_ratio = rl4_batch.median / rl4_tutorial.median
-    rl1_ratio = rl1.find("--batch").median / rl1.find("tutorial mode").median
+    rl1_ratio = rl1.find("batch.py").median / rl1.find("tutorial mode").median
     ps_three = ps.find("3 trainers").median / ps_now.median
     pp = by_key["pipeline_parallel"]
     pp_best = max(pp.variants[2:], key=lambda variant: variant.median)  # above num_split 1
@@ -424,7 +437,7 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
     if ps_tcp:
         after.append(f"{ps_tcp.median:.0f} over TCP (`--rpc_transport tcp`, now the default)")
     after.append(f"{ps_now.median:.0f} over TCP with the server keeping its freed memory "
-                 "(`keep_freed_memory`), as now")
+                 "(`_keep_freed_memory` in rpc_harness/launch.py), as now")
     lines += [
         "", "## Targets", "",
         "Those of issue 14 on many cores (16), with the figures before it on 2 cores "
@@ -435,10 +448,10 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
         f"| param_server, 3 trainers at least 1.5 times 1 trainer's samples/s (2 cores: no "
         f"less than 0.67 / 0.74 = 0.91) | {ps_three:.2f} | "
         f"{'met' if ps_three >= (0.91 if CORES <= 2 else 1.5) else 'not met'} |",
-        f"| rl_cartpole, 4 observers, `--batch` at least 2 times tutorial mode (2 cores: no "
+        f"| rl_cartpole, 4 observers, batch.py at least 2 times tutorial mode (2 cores: no "
         f"less than 2.34) | {batch_ratio:.2f} | "
         f"{'met' if batch_ratio >= (2.34 if CORES <= 2 else 2) else 'not met'} |",
-        f"| rl_cartpole, 1 observer, `--batch` no slower than tutorial mode | {rl1_ratio:.2f} | "
+        f"| rl_cartpole, 1 observer, batch.py no slower than tutorial mode | {rl1_ratio:.2f} | "
         f"{'met' if rl1_ratio >= 1 else 'not met'} |",
         f"| pipeline_parallel, the best `num_split` ({pp_best.label}) at least 1.3 times "
         f"`num_split 1` (on 16 cores) | {pp_ratio:.2f} | "
@@ -454,9 +467,9 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
         f"param_server, 1 trainer, {ps_batches(quick)} batches: with `--profile` "
         f"{ps.find(PROFILED).median:.0f} samples/s, {ps.find(PROFILED).median / ps_now.median:.2f}"
         " of the same run without it (the trainer's steps 3-5 and the server's calls until "
-        "then recorded, both traces written and their tables printed, inside the timed "
-        "training). Without `--profile`: the run as it was before `--profile` existed (no "
-        f"`launch.profile_step()` in its loop) went at {ps.find(BEFORE_PROFILE).median:.0f} "
+        "then recorded, both traces written, inside the timed training). "
+        "Without `--profile`: the run as it was before `--profile` existed (no "
+        f"`rpc_harness.profile_step()` in its loop) went at {ps.find(BEFORE_PROFILE).median:.0f} "
         f"samples/s, the run as it is at {ps_now.median:.0f}, "
         f"{ps_now.median / ps.find(BEFORE_PROFILE).median:.2f} times that, within the spread "
         "of either (min and max above): profiling off costs a call that returns at once, a "
@@ -487,7 +500,7 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
         f"- **rl_cartpole.** One process steps CartPole {rl1.variants[0].median:.0f} times a "
         f"second, the tutorial's agent and one observer {rl1.find('tutorial mode').median:.0f}: "
         "each step is two nested `rpc_sync` calls from the observer to the agent, and the "
-        "policy is so small that the calls, not the arithmetic, set the pace. `--batch` makes "
+        "policy is so small that the calls, not the arithmetic, set the pace. batch.py makes "
         "it one call a step, and one forward pass for all observers: with four observers "
         f"{rl4_batch.median:.0f} steps a second against {rl4_tutorial.median:.0f} "
         f"({batch_ratio:.1f} times). Five processes share {CORES} cores; where their CPU goes: "
@@ -507,11 +520,11 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
 def write_solves(solves):
     lines = ["# Solving CartPole", "",
              f"Written by `make bench SOLVE=1` on {time.strftime('%Y-%m-%d')}. Machine: "
-             f"{machine()}. `python rl_cartpole/main.py` at the default seed, until the running "
-             "reward passes 475:", "",
+             f"{machine()}. rl_cartpole at the default seed, until the running reward passes 475 "
+             "(or 2000 episodes), one run after the other:", "",
              "| Command | Solved | Episodes | Environment steps | Training | Wall | Steps/s |",
              "|---|---|---|---|---|---|---|"]
-    for label, s in solves.items():
+    for label, s in solves:
         lines.append(f"| {label} | {'yes' if s['solved'] else 'no'} | {s['episodes']} | "
                      f"{s['env_steps']} | {s['training_seconds']:.0f} s | "
                      f"{s['wall_seconds']:.0f} s | {s['steps_per_second']:.0f} |")
@@ -545,7 +558,7 @@ def main():
                         help="one repetition of shorter runs, and no test suite")
     parser.add_argument("--solve", action="store_true",
                         help="only train rl_cartpole until solved, two ways, and write SOLVE.md "
-                             "(about 8 minutes)")
+                             "(9 minutes here; more when a run needs many episodes)")
     args = parser.parse_args()
     if args.solve:
         write_solves(solve_runs())
