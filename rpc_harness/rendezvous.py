@@ -31,8 +31,7 @@ _KEYS = "rpc_harness/"
 _args = _rank = _name = _store = None  # this rank's command line, rank, name; the store
 _peers = {}  # rank -> its connection: rank 0's to each rank, the others' to rank 0
 _left = set()  # the peers that said bye
-_left_changed = threading.Condition()
-_lost = threading.Event()
+_left_changed, _lost = threading.Condition(), threading.Event()  # a bye came; a peer is gone
 _report = {}
 
 def this_rank(args, rank):
@@ -73,7 +72,8 @@ def _join():
                                 timeout=datetime.timedelta(seconds=args.init_timeout)))
     except OSError as err:  # rank 0's port, taken since it was checked
         _exit(f"{_name}: cannot listen on {where} ({err.strerror})", status=2)
-    except RuntimeError:  # the store's client gave up
+    except RuntimeError:  # the store's client gave up, or a signal cut its wait short (torch 2.4):
+        time.sleep(1)  # then the signal's own line and status come first, from its thread
         _exit(f"{_name}: {first} did not come: nothing answered at {where} within "
               f"{args.init_timeout:g} s (--init_timeout); start it with the same flags")
     try:

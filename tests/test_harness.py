@@ -516,7 +516,7 @@ def test_a_waiting_rank_ends_at_once_on_ctrl_c_or_sigterm(runs):
         run.proc.send_signal(number)
         run.wait(timeout=30)
         assert time.monotonic() - sent < 2, run.output
-        assert run.returncode == 128 + number
+        assert run.returncode == 128 + number, run.output
         suffix = "" if number == signal.SIGINT else " (SIGTERM)"
         assert run.stderr == f"{name}: interrupted{suffix}\n", run.stderr
         assert not run.leftovers(grace=0)
