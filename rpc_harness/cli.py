@@ -73,7 +73,8 @@ probability = checked("number (0 to < 1)", float, lambda v: 0 <= v < 1, "from 0 
 port_number = checked("port", int, lambda v: 1 <= v <= 65535, "a port number from 1 to 65535")
 
 def add_arguments(parser, world_size, min_world_size, roles, rpc_transport, profiled=True):
-    """The flags of every example, before its own; profiled=False: it profiles itself."""
+    """The flags of every example, before its own; rpc_transport None: no RPC; profiled=False:
+    it profiles itself."""
     add, parser.min_world_size = parser.add_argument, min_world_size
     add("--world_size", "--world-size", type=int_at_least(min_world_size), default=world_size,
         metavar="N", help=f"total number of processes: {roles}")
@@ -88,9 +89,10 @@ def add_arguments(parser, world_size, min_world_size, roles, rpc_transport, prof
         help="seconds to wait for every rank to join")
     add("--rpc_timeout", "--rpc-timeout", type=positive_float, default=60.0, metavar="SECONDS",
         help="seconds before an RPC without an answer fails, or a silent rank counts as lost")
-    add("--rpc_transport", "--rpc-transport", choices=("auto", "tcp"), default=rpc_transport,
-        help="between ranks of a machine: auto lets TensorPipe use shared memory, quickest but "
-             "polled without pause; tcp, loopback sockets")
+    if rpc_transport:  # None: no RPC
+        add("--rpc_transport", "--rpc-transport", choices=("auto", "tcp"), default=rpc_transport,
+            help="between ranks of a machine: auto lets TensorPipe use shared memory, quickest "
+                 "but polled without pause; tcp, loopback sockets")
     add("--seed", type=int_at_least(0), default=1, metavar="N", help="random seed")
     add("--summary_json", "--summary-json", default=None, metavar="PATH",
         help="write the run's figures to this JSON file at the end")

@@ -9,6 +9,7 @@ import fcntl
 import ipaddress
 import json
 import os
+import resource
 import select
 import socket
 import struct
@@ -17,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
@@ -236,6 +238,7 @@ def finish():
     """Done. Rank 0 (its process holds the store, which rpc.shutdown() reads to the end) waits for
     every bye, merges the traces and writes the summary."""
     profiling.end()
+    report(peak_memory_mb=_peak_memory_mb())
     _send(b"bye\n")
     if _rank == 0:
         with _left_changed:
@@ -244,11 +247,22 @@ def finish():
         reports = {name: json.loads(_store.get(f"{_KEYS}report{rank}"))
                    for rank, name in enumerate(_args.harness.names)
                    if _store.check([f"{_KEYS}report{rank}"])}
-        figures, line = _args.harness.summary(_args, reports)
+        memory = {name: figures.pop("peak_memory_mb") for name, figures in reports.items()}
+        figures, line = _args.harness.summary(_args, {name: figures for name, figures
+                                                      in reports.items() if figures})
+        figures["peak_memory_mb"] = memory
         figures["wall_seconds"] = round(time.time() - _args.harness.started, 3)
         print(f"Summary: {line}; {figures['wall_seconds']:.1f} s in all")
         if _args.summary_json:
             Path(_args.summary_json).write_text(json.dumps(figures, indent=2) + "\n")
+
+def _peak_memory_mb():
+    """This rank's most resident memory (ru_maxrss: kB, bytes on macOS), and its GPU's if used."""
+    peak = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            // (2**20 if sys.platform == "darwin" else 2**10)}
+    if torch.cuda.is_initialized():
+        peak["cuda"] = torch.cuda.max_memory_allocated() // 2**20
+    return peak
 
 def _exit(message, status=1):
     """End now: RPC's threads would keep an exit waiting for peers that are gone."""
