@@ -79,3 +79,15 @@ def test_pipeline_parallel_puts_the_shards_on_the_gpus(tmp_path):
     assert f"ResNetShard2 on worker2, cuda:{1 if GPUS > 1 else 0}" in finished.stdout
     split = summary["splits"]["2"]
     assert split["last_loss"] < split["first_loss"], summary
+
+
+@two_gpus
+def test_pipelining_stages_train_on_two_gpus_over_nccl(tmp_path):
+    """pipelining.py: NCCL with stage R on cuda:R when every stage has a GPU of its own."""
+    finished, summary = run("pipeline_parallel", tmp_path, "--num_split", 2, "--batch_size", 16,
+                            "--num_batches", 12, "--lr", 0.02, script="pipelining.py")
+    assert "stage 0 of 2 on cuda:0" in finished.stdout
+    assert "stage 1 of 2 on cuda:1" in finished.stdout
+    for figures in summary["schedules"].values():
+        assert figures["2"]["last_loss"] < figures["2"]["first_loss"], summary
+        assert all(memory["cuda"] > 0 for memory in summary["peak_memory_mb"].values())

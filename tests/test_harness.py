@@ -184,7 +184,8 @@ EXAMPLES = ["param_server", "rl_cartpole", "rnn_model_parallel", "ddp_rpc_hybrid
             "pipeline_parallel", "rpc_profiling"]
 # Each example's entry points: main.py, and a variant's script of its own.
 ENTRY_POINTS = [f"{example}/{script}" for example in EXAMPLES for script in
-                ("main.py", "batch.py", "remote_module.py") if (ROOT / example / script).exists()]
+                ("main.py", "batch.py", "remote_module.py", "pipelining.py")
+                if (ROOT / example / script).exists()]
 
 
 def test_every_example_is_covered():
@@ -221,18 +222,21 @@ def _calls(tree):
 def test_each_entry_point_makes_the_tutorials_calls(path):
     """rpc.init_rpc(...) and rpc.shutdown() (dist.init_process_group(...) too where the tutorial
     has it) as the tutorial writes them; the ranks start with rpc_harness.spawn(...), the
-    tutorial's mp.spawn or mp.Process given in a `# tutorial:` comment just above it."""
+    tutorial's mp.spawn, mp.Process or torchrun given in a `# tutorial:` comment just above it."""
     source = (ROOT / path).read_text()
     calls = _calls(ast.parse(source))
     defines_workers = "rpc.init_rpc" in calls
     assert defines_workers == ("rpc.shutdown" in calls), path
     if path.endswith("main.py"):
         assert defines_workers, path
-    if path == "ddp_rpc_hybrid/main.py":
+    if path in ("ddp_rpc_hybrid/main.py", "pipeline_parallel/pipelining.py"):
         assert "dist.init_process_group" in calls
+    if path == "pipeline_parallel/pipelining.py":  # no RPC: the pipelining tutorial's calls
+        assert {"PipelineStage", "dist.new_group", "dist.destroy_process_group"} <= set(calls)
     assert not re.search(r"^\s*import launch|launch\.\w+\(", source, re.M), path
     spawn = re.search(r"^((?:\s*#.*\n)+)\s*rpc_harness\.spawn\(", source, re.M)
-    assert spawn and re.search(r"# tutorial: .*\b(mp\.spawn|mp\.Process)\(", spawn.group(1)), path
+    assert spawn and re.search(r"# tutorial: .*\b(mp\.spawn\(|mp\.Process\(|torchrun )",
+                               spawn.group(1)), path
 
 
 @pytest.mark.parametrize("example", EXAMPLES)
@@ -249,7 +253,7 @@ def test_no_module_imports_the_script_that_runs(example):
                               for alias in node.names} | {
             node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         imports[path.stem] &= local
-    for entry in ("main", "batch", "remote_module"):
+    for entry in ("main", "batch", "remote_module", "pipelining"):
         if entry not in local:
             continue
         reached, todo = set(), list(imports[entry])
@@ -281,6 +285,7 @@ class Example:
     roles: dict  # rank -> worker name
     working: str  # a line that shows the run is under way
     script: str = "main.py"
+    transport: tuple = TCP  # pipelining.py has no RPC, nor --rpc_transport
 
 
 RUNS = {
@@ -309,6 +314,11 @@ RUNS = {
         "pipeline_parallel", 3, ["--num_split", 2, "--num_batches", 2, "--batch_size", 4],
         ["--num_split", 2, "--num_batches", 100000, "--batch_size", 4],
         {0: "master", 1: "worker1", 2: "worker2"}, r"^Processing batch 1$"),
+    "pipeline_parallel/pipelining.py": Example(
+        "pipeline_parallel", 2, ["--num_split", 2, "--num_batches", 2, "--batch_size", 4,
+                                 "--schedule", "GPipe"],
+        ["--num_split", 2, "--num_batches", 100000, "--batch_size", 4, "--schedule", "GPipe"],
+        {0: "stage0", 1: "stage1"}, r"^GPipe, n_microbatches 2, batch 1:", "pipelining.py", ()),
 }
 
 
@@ -316,8 +326,8 @@ def start(runs, key, *flags, rank=None, endless=False, **kwargs):
     """A run of an example, over TCP: TensorPipe's shared memory keeps a thread of every process
     polling, which on 2 cores starved even this process's reads of /proc for seconds."""
     config = RUNS[key]
-    return runs.start(config.name, *(config.endless if endless else config.quick), *TCP,
-                      "--world_size", config.world_size, *flags,
+    return runs.start(config.name, *(config.endless if endless else config.quick),
+                      *config.transport, "--world_size", config.world_size, *flags,
                       *(() if rank is None else ("--rank", rank)), script=config.script, **kwargs)
 
 
@@ -382,12 +392,14 @@ def assert_listening_on_loopback_only(run, world_size):
 # One run each, the victim a rank of a kind that the others wait for in another way: in RPC
 # calls (param_server's trainers), for a model that needs the dead trainer's gradients
 # (batch.py), in an allreduce and for the trainers' loops (ddp_rpc_hybrid), ps holding the
-# RemoteModule (remote_module.py), the micro-batches of a shard (pipeline_parallel); and under
+# RemoteModule (remote_module.py), the micro-batches of a shard (pipeline_parallel), the
+# stage that holds the store, the other waiting in Gloo's recv (pipelining.py); and under
 # spawn-all, where the command that started them stops every rank alike.
 KILL_CASES = [("param_server", 1, "per-rank"), ("param_server/batch.py", 1, "per-rank"),
               ("ddp_rpc_hybrid", 0, "per-rank"), ("ddp_rpc_hybrid/remote_module.py", 2, "per-rank"),
               ("pipeline_parallel", 1, "per-rank"), ("rl_cartpole", 1, "spawn-all"),
-              ("ddp_rpc_hybrid", 2, "spawn-all")]
+              ("ddp_rpc_hybrid", 2, "spawn-all"),
+              ("pipeline_parallel/pipelining.py", 0, "per-rank")]
 
 
 @pytest.mark.slow

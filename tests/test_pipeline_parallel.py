@@ -157,3 +157,127 @@ def test_ranks_as_separate_commands_in_any_order_time_each_num_split(tmp_path, r
     assert set(json.loads((tmp_path / "summary.json").read_text())["splits"]) == {"1", "4"}
     assert worker1.stdout.startswith("Threads: worker1 ")
     assert "Processing batch" not in worker1.stdout
+
+
+# --------- pipelining.py: the same model with torch.distributed.pipelining --------------------
+
+pipelining = load_example("pipeline_parallel", "pipelining")
+
+
+@pytest.mark.parametrize("stage_rank, gpu_count, expected", [
+    (0, 0, ("gloo", "cpu")), (1, 1, ("gloo", "cpu")),  # one GPU for two stages: NCCL refuses
+    (0, 2, ("nccl", "cuda:0")), (1, 2, ("nccl", "cuda:1")), (1, 8, ("nccl", "cuda:1")),
+])
+def test_each_stage_has_a_gpu_of_its_own_or_none_does(stage_rank, gpu_count, expected):
+    backend, device = pipelining.choose_backend_and_device(stage_rank, 2, gpu_count)
+    assert (backend, str(device)) == expected
+
+
+def test_the_two_stages_are_main_py_s_two_shards(pipeline_world):
+    """torchvision's ResNet-50 as ResNetShard1's and ResNetShard2's layers; a stage whose other
+    shard is gone (None) runs its own alone, and the two in turn are the whole model."""
+    rpc_model = pipeline.DistResNet50(1, [pipeline_world, pipeline_world])
+    rpc_shards = [rpc_model.p1_rref.local_value(), rpc_model.p2_rref.local_value()]
+    torch.manual_seed(0)
+    model = pipelining.ResNet50().eval()
+    images = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        whole = model(images)
+        first, second = pipelining.ResNet50().eval(), pipelining.ResNet50().eval()
+        first.load_state_dict(model.state_dict())
+        second.load_state_dict(model.state_dict())
+        first.shard2, second.shard1 = None, None
+        between = first(images)
+        assert between.shape == (2, 512, 8, 8)  # ResNetShard1's output at 64 x 64
+        assert torch.allclose(second(between), whole)
+    assert whole.shape == (2, pipeline.num_classes)
+    for shard, rpc_shard in zip((model.shard1, model.shard2), rpc_shards, strict=True):
+        assert [p.shape for p in shard.parameters()] == [p.shape for p in rpc_shard.parameters()]
+
+
+def pipelining_bad_input(capsys, argv):
+    with pytest.raises(SystemExit) as exited:
+        pipelining.parse_args(["--master_port", str(find_free_port()), *argv])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--world_size", "3"], "runs 2 ranks"),
+    (["--num_split", "3"], "--num_split 3 does not divide the 32 images"),
+    (["--num_split", "2", "64"], "--num_split 64 does not divide"),
+    (["--num_split", "0"], "must be at least 1"),
+    (["--schedule", "1F1B", "--num_split", "1"], "1F1B needs at least 2 micro-batches"),
+    (["--schedule", "Interleaved1F1B"], "invalid choice"),
+    (["--rpc_transport", "tcp"], "unrecognized arguments"),  # no RPC here
+])
+def test_pipelining_refuses_bad_input_in_one_line(capsys, argv, expected):
+    if "1F1B" in argv and not pipelining.one_f_one_b_works(torch.cuda.device_count()):
+        expected = "1F1B over Gloo needs torch 2.8 or later"
+    assert expected in pipelining_bad_input(capsys, argv)
+
+
+def test_pipelining_runs_1f1b_only_where_it_can():
+    """1F1B needs a micro-batch per stage (torch refuses fewer), and, over Gloo, torch 2.8."""
+    args = pipelining.parse_args(["--master_port", str(find_free_port())])
+    works = pipelining.one_f_one_b_works(torch.cuda.device_count())
+    assert args.schedule == (["GPipe", "1F1B"] if works else ["GPipe"])
+    assert args.num_split == [1, 2, 4, 8]
+
+
+PIPELINING_SMALL = ("--batch_size", 16, "--num_batches", 10, "--lr", 0.02, "--num_split", 2)
+
+
+@pytest.fixture(scope="module")
+def pipelining_run(tmp_path_factory):
+    """Both stages from one command: 1F1B (GPipe where this torch cannot), 2 micro-batches."""
+    schedule = "1F1B" if pipelining.one_f_one_b_works(torch.cuda.device_count()) else "GPipe"
+    summary = tmp_path_factory.mktemp("pipelining") / "summary.json"
+    run = run_example("pipeline_parallel", *PIPELINING_SMALL, "--schedule", schedule,
+                      "--master_port", find_free_port(), "--summary_json", summary,
+                      "--profile", summary.parent / "trace", timeout=180,
+                      log_dir=summary.parent, script="pipelining.py")
+    return run, schedule, json.loads(summary.read_text()) if summary.exists() else None
+
+
+def test_pipelining_learned(pipelining_run):
+    run, schedule, summary = pipelining_run
+    assert run.returncode == 0, run.output
+    losses = [float(loss) for loss in re.findall(
+        rf"^{schedule}, n_microbatches 2, batch \d+: loss (\S+),", run.stdout, re.M)]
+    assert len(losses) == 10
+    assert sum(losses[-3:]) / 3 < 0.8 * losses[0], losses  # 2.3 is guessing 1 of 10
+    figures = summary["schedules"][schedule]["2"]
+    assert figures["first_loss"] == pytest.approx(losses[0], abs=1e-4)
+    assert figures["seconds_per_batch"] > 0
+    assert set(summary["peak_memory_mb"]) == {"stage0", "stage1"}
+    assert all(memory["rss"] > 100 for memory in summary["peak_memory_mb"].values())
+    on_gpu = torch.cuda.device_count() >= 2
+    assert f"stage 1 of 2 on {'cuda:1' if on_gpu else 'cpu'}" in run.stdout
+
+
+def test_pipelining_profiled_timeline_shows_both_stages_compute(pipelining_run):
+    run, _, _ = pipelining_run
+    for stage in ("stage0", "stage1"):
+        check_timeline([run], run.log_dir / "trace", ["stage0", "stage1"], stage,
+                       {"aten::conv2d", "aten::convolution"})
+
+
+@pytest.mark.slow
+def test_pipelining_stages_as_separate_commands(tmp_path, runs):
+    """One command per stage, stage1 first, GPipe with 1 and 2 micro-batches."""
+    common = ["--batch_size", 4, "--num_batches", 2, "--num_split", 1, 2, "--schedule", "GPipe",
+              "--master_port", find_free_port()]
+    stage1 = runs.start("pipeline_parallel", *common, "--rank", 1, script="pipelining.py")
+    stage0 = runs.start("pipeline_parallel", *common, "--rank", 0, "--summary_json",
+                        tmp_path / "summary.json", script="pipelining.py")
+    for run in (stage0, stage1):
+        run.wait(timeout=180)
+        assert run.returncode == 0, run.output
+        assert not run.leftovers()
+    assert "stage1: joined the other 1 rank(s)" in stage1.stdout
+    assert re.search(r"^GPipe, n_microbatches 2, batch 1: loss", stage1.stdout, re.M)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["schedules"]["GPipe"]) == {"1", "2"}

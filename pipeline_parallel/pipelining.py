@@ -1,0 +1,262 @@
+"""The same pipeline with today's API: main.py's ResNet-50, cut into the same two shards, trained on
+the same data with torch.distributed.pipelining, in the order and names of its tutorial,
+"Introduction to Distributed Pipeline Parallelism". Each rank is a stage (`stage0`, `stage1`);
+a schedule (GPipe, 1F1B) moves the micro-batches between them with send and recv, and the last
+stage owns the loss. No master, no RPC. `python pipelining.py`, or `--rank R` in each of 2
+terminals; README.md, "The same model with today's API", sets the two programs side by side."""
+
+import copy
+import inspect
+import time
+
+try:
+    import rpc_harness  # first: it sets what torch reads when it loads
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
+                     ".venv/bin/python (README.md)") from None
+
+# isort: split
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.optim as optim
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torchvision.models import resnet50
+
+from data import NUM_CLASSES, class_images
+
+# Setup: the model, then the globals of the distributed run
+
+
+class ResNet50(nn.Module):
+    """torchvision's ResNet-50 as main.py's two shards, whole (the tutorial's Transformer here)."""
+
+    def __init__(self):
+        super().__init__()
+        resnet = resnet50(num_classes=NUM_CLASSES, zero_init_residual=True)
+        # main.py's ResNetShard1: the stem and the first two stages
+        self.shard1 = nn.Sequential(resnet.conv1, resnet.bn1, resnet.relu, resnet.maxpool,
+                                    resnet.layer1, resnet.layer2)
+        # main.py's ResNetShard2: the last two stages and the classifier
+        self.shard2 = nn.Sequential(resnet.layer3, resnet.layer4, resnet.avgpool, nn.Flatten(),
+                                    resnet.fc)
+
+    def forward(self, x):
+        # A shard deleted by the split is None and skipped, so that each stage runs its own
+        x = self.shard1(x) if self.shard1 is not None else x
+        return self.shard2(x) if self.shard2 is not None else x
+
+
+SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+
+global rank, device, pp_group, stage_index, num_stages
+
+
+def init_distributed(this_rank, world_size):
+    global rank, device, pp_group, stage_index, num_stages
+    rank = this_rank
+    backend, device = choose_backend_and_device(rank, world_size, torch.cuda.device_count())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            init_method=rpc_harness.INIT_METHOD)
+
+    # This group can be a sub-group in the N-D parallel case
+    pp_group = dist.new_group()
+    stage_index = rank
+    num_stages = world_size
+
+
+# Step 1: Partition the model
+
+def manual_model_split(model, example_input_microbatch) -> PipelineStage:
+    examples = example_args_for_torch_2_4(model, example_input_microbatch)
+    if stage_index == 0:
+        # prepare the first stage model
+        model.shard2 = None
+    elif stage_index == 1:
+        # prepare the second stage model
+        model.shard1 = None
+
+    stage = PipelineStage(
+        model,
+        stage_index,
+        num_stages,
+        device,
+        group=pp_group,
+        **examples,
+    )
+    return stage
+
+
+# Step 2: Define the main execution
+
+def train(schedule_name, num_microbatches, args):
+    torch.manual_seed(args.seed)  # the same whole model on every stage, before the split
+    model = ResNet50()
+
+    # the shape of a micro-batch of images (the tutorial: x.chunk(num_microbatches)[0])
+    example_input_microbatch = torch.empty(args.batch_size // num_microbatches, 3,
+                                           args.image_size, args.image_size)
+    stage = manual_model_split(model, example_input_microbatch)
+    model.to(device)
+    # each stage updates its own shard (the RPC version: one DistributedOptimizer over both)
+    opt = optim.SGD(model.parameters(), lr=args.lr)
+
+    loss_fn = nn.CrossEntropyLoss()
+    schedule = SCHEDULES[schedule_name](stage, n_microbatches=num_microbatches, loss_fn=loss_fn)
+
+    losses_of_batches, seconds = [], []
+    for i, (x, y) in enumerate(class_images(args.num_batches, args.batch_size, args.image_size,
+                                            args.seed)):
+        rpc_harness.profile_step()  # not in the tutorial: --profile's window
+        started = time.perf_counter()
+        opt.zero_grad()
+        if stage_index == 0:
+            schedule.step(x.to(device))
+        elif stage_index == num_stages - 1:
+            losses = []
+            schedule.step(target=y.to(device), losses=losses)
+        mean_of_microbatches_for_torch_2_4(model, num_microbatches)
+        opt.step()
+        seconds.append(time.perf_counter() - started)
+        if stage_index == num_stages - 1:
+            losses_of_batches.append(torch.stack(losses).mean().item())
+            print(f"{schedule_name}, n_microbatches {num_microbatches}, batch {i}: loss "
+                  f"{losses_of_batches[-1]:.4f}, {seconds[-1]:.3f} s")
+    report(schedule_name, num_microbatches, losses_of_batches, seconds)  # not in the tutorial
+
+
+# Step 3: Launch the distributed processes
+
+def run_worker(rank, world_size, args):
+    init_distributed(rank, world_size)
+    print(f"stage {stage_index} of {num_stages} on {device}")
+    for schedule_name in args.schedule:
+        for num_microbatches in args.num_split:
+            if schedule_name == "1F1B" and num_microbatches < num_stages:
+                continue  # refused by 1F1B; the command line said so
+            train(schedule_name, num_microbatches, args)
+    dist.destroy_process_group()
+
+
+# --------- Not in the tutorial: torch 2.4, devices, the summary, the command line ---------
+
+def example_args_for_torch_2_4(model, example_input_microbatch):
+    """torch 2.4's PipelineStage wants its input and output as examples, where later versions
+    infer them at the first step: their shapes, from a copy of the whole model on the meta
+    device (shapes without data or arithmetic)."""
+    if inspect.signature(PipelineStage).parameters["input_args"].default is None:
+        return {}
+    meta = copy.deepcopy(model).to("meta")
+    between = meta.shard1(example_input_microbatch.to("meta"))
+    output = meta.shard2(between)
+    inputs = [example_input_microbatch, between][stage_index]
+    outputs = [between, output][stage_index]
+    return {"input_args": torch.empty(inputs.shape), "output_args": torch.empty(outputs.shape)}
+
+
+def mean_of_microbatches_for_torch_2_4(model, num_microbatches):
+    """Later versions divide the gradients that the micro-batches summed by their number
+    (scale_grads), so that a step follows the mean loss of the batch, as main.py's; 2.4 not."""
+    if "scale_grads" not in inspect.signature(ScheduleGPipe).parameters:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad /= num_microbatches
+
+
+ONE_F_ONE_B_NEEDS = (f"1F1B over Gloo needs torch 2.8 or later, not {torch.__version__}: before, "
+                     "it waited for only one of each batch of sends and receives, and hung "
+                     "(pytorch/pytorch#132644)")
+
+
+def one_f_one_b_works(gpu_count):
+    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    return version >= (2, 8) or choose_backend_and_device(0, 2, gpu_count)[0] == "nccl"
+
+
+def choose_backend_and_device(stage_rank, num_stages, gpu_count):
+    """NCCL with stage R on cuda:R when every stage has a GPU of its own (NCCL refuses two
+    ranks on one GPU), else Gloo on the CPU. Tests fake gpu_count."""
+    if gpu_count >= num_stages:
+        return "nccl", torch.device(f"cuda:{stage_rank}")
+    return "gloo", torch.device("cpu")
+
+
+def stage_name(rank, world_size):
+    return f"stage{rank}"
+
+
+def report(schedule_name, num_microbatches, losses, seconds):
+    """Seconds per batch, without the first batch (warm-up), for the summary."""
+    steady = seconds[1:] or seconds
+    figures = {"seconds_per_batch": round(sum(steady) / len(steady), 4)}
+    if losses:  # the last stage's
+        figures.update(first_loss=losses[0], last_loss=losses[-1])
+    rpc_harness.report(**{f"{schedule_name} {num_microbatches}": figures})
+
+
+def write_summary(args, reports):
+    runs = reports[stage_name(args.world_size - 1, args.world_size)]
+    schedules = {}
+    for key, figures in runs.items():
+        schedule_name, num_microbatches = key.split()
+        schedules.setdefault(schedule_name, {})[num_microbatches] = figures
+    return ({"example": "pipeline_parallel/pipelining", "batch_size": args.batch_size,
+             "image_size": args.image_size, "num_batches": args.num_batches,
+             "schedules": schedules},
+            ", ".join(f"{key}: {s['seconds_per_batch']:.3f} s a batch, loss "
+                      f"{s['first_loss']:.3f} -> {s['last_loss']:.3f}" for key, s in runs.items()))
+
+
+def parse_args(argv=None):
+    parser = rpc_harness.ArgumentParser(description=(
+        "The pipeline of main.py with torch.distributed.pipelining: a ResNet-50 in two stages, "
+        "stage0 and stage1, each a rank, trained with each --schedule and --num_split in turn."))
+    rpc_harness.add_arguments(parser, world_size=2, min_world_size=2,
+                              roles="stage0 (rank 0) and stage1", rpc_transport=None)
+    add, at_least = parser.add_argument, rpc_harness.int_at_least
+    add("--schedule", nargs="+", choices=SCHEDULES, default=None,
+        help="pipeline schedules, timed in turn. Default: GPipe and 1F1B (GPipe alone where 1F1B "
+             "hangs: over Gloo before torch 2.8)")
+    add("--num_split", "--num-split", type=at_least(1), nargs="+", default=[1, 2, 4, 8],
+        metavar="N", help="micro-batches per batch (n_microbatches), each timed in turn; 1F1B "
+                          "needs at least one per stage, and runs only those")
+    add("--batch_size", "--batch-size", type=at_least(1), default=32, metavar="N",
+        help="images per batch; every --num_split must divide it")
+    # >= 64: below, shard 2 ends at 1 x 1 pixel, where batch norm fails on a 1-image micro-batch
+    add("--image_size", "--image-size", type=at_least(64), default=64, metavar="PIXELS",
+        help="height and width of the images")
+    add("--num_batches", "--num-batches", type=at_least(1), default=20, metavar="N",
+        help="batches trained for each schedule and --num_split")
+    add("--lr", type=rpc_harness.positive_float, default=0.05, metavar="RATE",
+        help="SGD learning rate")
+    args = rpc_harness.parse_args(parser, argv, stage_name, loops=lambda rank, _: True,
+                                  summary=write_summary)
+    if args.world_size != 2:
+        parser.error(f"this example runs 2 ranks, one a stage (stage0 and stage1), not "
+                     f"--world_size {args.world_size}")
+    if uneven := [n for n in args.num_split if args.batch_size % n]:
+        parser.error(f"--num_split {uneven[0]} does not divide the {args.batch_size} images of a "
+                     f"batch (--batch_size): a stage's micro-batches must all have one shape")
+    if args.schedule is None:
+        args.schedule = list(SCHEDULES) if one_f_one_b_works(torch.cuda.device_count()) else [
+            "GPipe"]
+    elif "1F1B" in args.schedule and not one_f_one_b_works(torch.cuda.device_count()):
+        parser.error(ONE_F_ONE_B_NEEDS)
+    if args.schedule == ["1F1B"] and max(args.num_split) < args.world_size:
+        parser.error(f"--schedule 1F1B needs at least {args.world_size} micro-batches (one per "
+                     f"stage), not --num_split {max(args.num_split)}")
+    if "1F1B" in args.schedule and min(args.num_split) < args.world_size:
+        print(f"1F1B runs with {args.world_size} micro-batches or more (one per stage) only")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # tutorial: torchrun --nnodes 1 --nproc_per_node 2 pipelining_tutorial.py
+    rpc_harness.spawn(run_worker, args=(args.world_size, args), nprocs=args.world_size, join=True)
+
+
+if __name__ == "__main__":
+    main()
