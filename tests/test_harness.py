@@ -197,7 +197,7 @@ def test_the_harness_is_one_package_within_its_budget():
     assert not [path for example in EXAMPLES for path in (ROOT / example).glob("*.py")
                 if path.name in ("launch.py", "profiling.py")]
     lines = sum(len(path.read_text().splitlines()) for path in (ROOT / "rpc_harness").glob("*.py"))
-    assert lines <= 700, lines
+    assert lines <= 720, lines  # 700 at its making; then each rank's peak memory
 
 
 # The most lines each main.py may have (about 1.3 times upstream's; rnn_model_parallel's
