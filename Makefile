@@ -64,6 +64,8 @@ run: $(VENV)/.run-installed
 	@$(PY) ddp_rpc_hybrid/remote_module.py --epochs 20
 	@echo "== pipeline_parallel: ResNet-50 in two shards, 1 and then 4 micro-batches a batch"
 	@$(PY) pipeline_parallel/main.py --num_split 1 4 --batch_size 16 --num_batches 10
+	@echo "== pipeline_parallel/pipelining.py: the same with torch.distributed.pipelining, GPipe and 1F1B"
+	@$(PY) pipeline_parallel/pipelining.py --num_split 1 4 --batch_size 16 --num_batches 10
 	@echo "== rpc_profiling: the profiling recipe's RPCs, then both ranks profiled, one timeline in traces/"
 	@$(PY) rpc_profiling/main.py
 
@@ -75,9 +77,10 @@ bench: $(VENV)/.dev-installed
 	$(PY) bench/bench.py $(if $(QUICK),--quick) $(if $(SOLVE),--solve)
 
 # The READMEs' pictures of a profiled run's timeline (bench/draw_timeline.py), from fresh runs:
-# each example's step 4 (of its first looping rank), and the recipe's two RPCs.
-PICTURE = dir=$$(mktemp -d) && $(PY) $(1)/main.py $(2) --profile $$dir > $$dir/run.log && \
-	  $(PY) bench/draw_timeline.py $$dir/timeline.json $(1)/timeline.png $(3) && \
+# each example's step 4 (of its first looping rank), and the recipe's two RPCs. PICTURE's
+# arguments: folder, flags, drawing flags, and where not main.py and timeline.png, script, picture.
+PICTURE = dir=$$(mktemp -d) && $(PY) $(1)/$(or $(4),main.py) $(2) --profile $$dir > $$dir/run.log && \
+	  $(PY) bench/draw_timeline.py $$dir/timeline.json $(1)/$(or $(5),timeline.png) $(3) && \
 	  grep -E "wrote|Wrote" $$dir/run.log && rm -r $$dir
 pictures: $(VENV)/.dev-installed
 	@$(call PICTURE,param_server,--dataset synthetic --world_size 3 --max_batches 8,--step "ProfilerStep#3" \
@@ -90,6 +93,9 @@ pictures: $(VENV)/.dev-installed
 	  --title "ddp_rpc_hybrid: trainer0's step 4 (the EmbeddingBag on ps and the Linear under DDP)")
 	@$(call PICTURE,pipeline_parallel,--num_split 4 --batch_size 16 --num_batches 6,\
 	  --step "ProfilerStep#3" --title "pipeline_parallel: the master's step 4 (4 micro-batches)")
+	@$(call PICTURE,pipeline_parallel,--schedule GPipe --num_split 4 --batch_size 16 --num_batches 6,\
+	  --step "ProfilerStep#3" --title "pipeline_parallel/pipelining.py: step 4 of both stages (GPipe with 4 micro-batches)",\
+	  pipelining.py,timeline-pipelining.png)
 	@$(call PICTURE,rpc_profiling,,--first "rpc_async#aten::add" --last "rpc_async#aten::mul" \
 	  --title "rpc_profiling: worker0's add and mul RPCs and what worker1 ran for them")
 

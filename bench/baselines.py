@@ -9,6 +9,7 @@ count as the example. Prints one JSON object: {baseline: rate}.
 import argparse
 import json
 import random
+import resource
 import sys
 import time
 from pathlib import Path
@@ -149,16 +150,20 @@ def pipeline_parallel(batches):
     rpc.init_rpc("worker1", rank=0, world_size=1, rpc_backend_options=options)
     try:
         torch.manual_seed(1)
-        shards = [pipeline.ResNetShard1(), pipeline.ResNetShard2()]
+        shards = [pipeline.ResNetShard1(), pipeline.ResNetShard2()]  # on the GPU, if visible
+        device = shards[0].device
         opt = torch.optim.SGD([p for shard in shards for p in shard.parameters()], lr=0.05)
         images = list(data.class_images(batches + 1, 16, 64, seed=1))
         for i, (inputs, labels) in enumerate(images):
             if i == 1:  # the first batch warms up, as in the example's figures
                 started = time.perf_counter()
-            outputs = shards[1].fc(torch.flatten(shards[1].seq(shards[0].seq(inputs)), 1))
+            outputs = shards[1].fc(torch.flatten(shards[1].seq(shards[0].seq(inputs.to(device))),
+                                                 1))
             opt.zero_grad()
-            F.cross_entropy(outputs, labels).backward()
+            F.cross_entropy(outputs, labels.to(device)).backward()
             opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         return batches / (time.perf_counter() - started)
     finally:
         rpc.shutdown()
@@ -188,6 +193,11 @@ def main():
         threads = torch.get_num_threads()
         results[name] = function(length)
         torch.set_num_threads(threads)  # rl_cartpole sets 1, as the agent does
+    # the process's peak memory, as the examples' summaries give each rank's: that of one
+    # baseline when one ran
+    results["peak_memory_mb"] = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}
+    if torch.cuda.is_initialized():
+        results["peak_memory_mb"]["cuda"] = torch.cuda.max_memory_allocated() // 2**20
     print(json.dumps(results))
 
 

@@ -36,6 +36,7 @@ PY = sys.executable
 TICKS = os.sysconf("SC_CLK_TCK")
 CORES = len(os.sched_getaffinity(0))
 RESULTS, CHART = BENCH / f"RESULTS-{CORES}-cores.md", BENCH / f"ratios-{CORES}-cores.png"
+PIPELINES = BENCH / f"PIPELINES-{CORES}-cores.md"
 # Every run here on the CPU, GPUs hidden: the examples and baselines would pick CUDA on their
 # own, and the comparisons are of CPUs.
 CPU_ONLY = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -87,7 +88,7 @@ class Result:
     output: str = ""  # what the example printed
 
 
-def run_example(cmd, start, end, timeout=900):
+def run_example(cmd, start, end, timeout=900, env=CPU_ONLY):
     """Run an example (its command may hold {port} and {summary}); return its --summary_json
     and the CPU its threads used between the first output line matching `start` and the first
     matching `end`."""
@@ -97,8 +98,7 @@ def run_example(cmd, start, end, timeout=900):
                for part in cmd]
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                    env=CPU_ONLY,
-                                    start_new_session=True)
+                                    env=env, start_new_session=True)
         first = last = None
         pids = []
         deadline = time.monotonic() + timeout
@@ -141,6 +141,7 @@ class Variant:
     detail: bool = False  # left out of --quick runs
     values: list = field(default_factory=list)
     cores: list = field(default_factory=list)
+    memory: list = field(default_factory=list)  # each run's peak memory: {rank: {"rss": MB}}
 
     @property
     def median(self):
@@ -223,9 +224,6 @@ def comparisons(quick, folder):
     rnn_window = (r"^Embedding table on ps", rf"^Training epoch {rnn_epochs - 1}$")
     ddp_epochs = 15 if quick else 30
     ddp_window = (r"^Training done for epoch 0$", r"^Dense layer")
-    pp_batches = 5 if quick else 8
-    pp_rate = lambda num_split: lambda s: 1 / s["splits"][str(num_split)]["seconds_per_batch"]  # noqa: E731
-    pp_window = (r"^Processing batch 1$", r"^number of splits")
     one_trainer = ("--world_size", 2, "--dataset", "synthetic",
                    "--max_batches", ps_batches(quick))
     before = [PY, param_server_as_before(folder), "--master_port", "{port}", "--summary_json",
@@ -280,34 +278,61 @@ def comparisons(quick, folder):
             Variant("2 trainers under DDP, master, ps",
                     example("ddp_rpc_hybrid", "--epochs", ddp_epochs), ddp_rate, ddp_window),
         ]),
-        Comparison("pipeline_parallel", "pipeline_parallel: batches of 16 images of 64 x 64",
-                   "batches/s", [Variant("one process")] + [
-            Variant(f"num_split {n}",
-                    example("pipeline_parallel", "--num_split", n, "--batch_size", 16,
-                            "--num_batches", pp_batches), pp_rate(n), pp_window)
-            for n in (1, 2, 4, 8)]),
+        pipeline_comparison(quick),
     ]
     for comparison in all_comparisons:
         comparison.variants = [v for v in comparison.variants if not (quick and v.detail)]
     return all_comparisons
 
 
-def measure(all_comparisons, repeats, quick):
+def pipeline_comparison(quick, title="pipeline_parallel: batches of 16 images of 64 x 64",
+                        schedules=(("GPipe", (1, 2, 4)), ("1F1B", (2, 4)))):
+    """main.py over RPC (num_split 1, 2, 4) beside pipelining.py's schedules (1F1B needs a
+    micro-batch per stage), each setting a run of its own, for its peak memory."""
+    flags = ("--batch_size", 16, "--num_batches", 5 if quick else 8)
+    rpc_rate = lambda n: lambda s: 1 / s["splits"][str(n)]["seconds_per_batch"]  # noqa: E731
+    stage_rate = lambda schedule, n: (  # noqa: E731
+        lambda s: 1 / s["schedules"][schedule][str(n)]["seconds_per_batch"])
+    return Comparison("pipeline_parallel", title, "batches/s", [Variant("one process")] + [
+        Variant(f"RPC, num_split {n}", example("pipeline_parallel", "--num_split", n, *flags),
+                rpc_rate(n), (r"^Processing batch 1$", r"^number of splits"))
+        for n in (1, 2, 4)] + [
+        Variant(f"pipelining, {schedule}, n_microbatches {n}",
+                example("pipeline_parallel", "--schedule", schedule, "--num_split", n, *flags,
+                        script="pipelining.py"),
+                stage_rate(schedule, n), (r", batch 1: loss", r"^Summary:"))
+        for schedule, counts in schedules for n in counts])
+
+
+def baselines(names, quick, env):
+    """The one-process rates of `names`, from one process, with its peak memory."""
+    out = subprocess.run([PY, BENCH / "baselines.py", *names, "--scale", "0.5" if quick else "1"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+                         timeout=600)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(all_comparisons, repeats, quick, env=CPU_ONLY):
     for rep in range(repeats):
         print(f"== repetition {rep + 1} of {repeats}", flush=True)
-        out = subprocess.run([PY, BENCH / "baselines.py", "--scale", "0.5" if quick else "1"],
-                             cwd=ROOT, env=CPU_ONLY, capture_output=True, text=True, check=True,
-                             timeout=600)
-        base = json.loads(out.stdout.strip().splitlines()[-1])
+        keys = [comparison.key for comparison in all_comparisons]
+        # the pipeline's alone, for its peak memory
+        base = baselines([key for key in keys if key != "pipeline_parallel"], quick, env) if (
+            keys != ["pipeline_parallel"]) else {}
+        if "pipeline_parallel" in keys:
+            base.update(pipeline := baselines(["pipeline_parallel"], quick, env))
         for comparison in all_comparisons:
             for variant in comparison.variants:
                 if variant.cmd is None:
                     variant.values.append(base[comparison.key])
+                    if comparison.key == "pipeline_parallel":
+                        variant.memory.append({"one process": pipeline["peak_memory_mb"]})
                     continue
                 began = time.perf_counter()
-                result = run_example(variant.cmd, *variant.window)
+                result = run_example(variant.cmd, *variant.window, env=env)
                 variant.values.append(variant.rate(result.summary))
                 variant.cores.append(result.cores_by_thread)
+                variant.memory.append(result.summary["peak_memory_mb"])
                 print(f"   {comparison.title}, {variant.label}: {variant.values[-1]:.1f} "
                       f"{comparison.unit} ({time.perf_counter() - began:.0f} s)", flush=True)
 
@@ -400,8 +425,9 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
     rl1_ratio = rl1.find("batch.py").median / rl1.find("tutorial mode").median
     ps_three = ps.find("3 trainers").median / ps_now.median
     pp = by_key["pipeline_parallel"]
-    pp_best = max(pp.variants[2:], key=lambda variant: variant.median)  # above num_split 1
-    pp_ratio = pp_best.median / pp.find("num_split 1").median
+    pp_best = max((v for v in pp.variants if v.label.startswith("RPC, num_split")
+                   and v.label != "RPC, num_split 1"), key=lambda variant: variant.median)
+    pp_ratio = pp_best.median / pp.find("RPC, num_split 1").median
 
     lines = [
         "# Benchmark results", "",
@@ -420,6 +446,9 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
             lines.append(f"| {comparison.title} | {variant.label} | {variant.median:.4g} "
                          f"{comparison.unit} | {min(variant.values):.4g} | "
                          f"{max(variant.values):.4g} | {ratio:.2f} |")
+    lines += ["", "pipeline_parallel, setting by setting: RPC (`main.py`) beside "
+              "`torch.distributed.pipelining` (`pipelining.py`), each setting a run of its own "
+              "(medians; peak memory: resident, of each rank's process):", "", *pipeline_table(pp)]
     lines += ["", "RPC round trip: `rpc_sync` of a function that returns its tensor argument, "
               "against a ping-pong of the same bytes over a TCP connection between the same two "
               "processes (the floor):", "",
@@ -517,6 +546,52 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
     RESULTS.write_text("\n".join(lines) + "\n")
 
 
+def pipeline_table(comparison):
+    """Seconds a batch (median, min-max), the ratio to one process, each rank's peak memory."""
+    lines = ["| Setting | Seconds a batch | Ratio to one process | Cores busy | Peak memory of "
+             "each rank, MB |", "|---|---|---|---|---|"]
+    for variant, ratio in comparison.ratios():
+        ranks = {}
+        for run in variant.memory:
+            for rank, memory in run.items():
+                ranks.setdefault(rank, []).append(memory)
+        shown = ", ".join(f"{rank} {statistics.median(m['rss'] for m in runs):.0f}" + (
+            f" (GPU {statistics.median(m['cuda'] for m in runs):.0f})" if "cuda" in runs[0]
+            else "") for rank, runs in ranks.items())
+        cores = sum(variant.median_cores().values())
+        lines.append(f"| {variant.label} | {1 / variant.median:.3f} ({1 / max(variant.values):.3f}"
+                     f"-{1 / min(variant.values):.3f}) | {ratio:.2f} | "
+                     f"{f'{cores:.2f}' if cores else ''} | {shown} |")
+    return lines
+
+
+def measure_pipelines(repeats, quick):
+    """--pipelines: the pipeline comparison alone, on the CPU and, where CUDA is, on the GPU."""
+    started = time.perf_counter()
+    cpu = pipeline_comparison(quick)
+    measure([cpu], repeats, quick)
+    lines = ["# pipeline_parallel: RPC against torch.distributed.pipelining", "",
+             f"Written by `python bench/bench.py --pipelines` on {time.strftime('%Y-%m-%d')}: "
+             f"{repeats} repetition(s). Machine: {machine()}. What is measured: "
+             "[README.md](README.md); the programs: "
+             "[pipeline_parallel/README.md](../pipeline_parallel/README.md).", "",
+             "## On the CPU", "", *pipeline_table(cpu)]
+    PIPELINES.write_text("\n".join(lines) + "\n")
+    if torch.cuda.is_available():
+        two = torch.cuda.device_count() >= 2  # pipelining.py: NCCL with a GPU for each stage
+        gpu = pipeline_comparison(quick, schedules=(("GPipe", (1, 2, 4)), ("1F1B", (2, 4)))
+                                  if two else ())
+        measure([gpu], repeats, quick, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        lines += ["", "## On the GPU", "", "The same settings with the GPU visible: one process "
+                  "and RPC's shards on it (both shards on `cuda:0` where there is one GPU)"
+                  + ("; pipelining.py's stages on `cuda:0` and `cuda:1` over NCCL." if two else
+                     "; pipelining.py not, as NCCL needs a GPU for each stage and this machine "
+                     "has one."), "", *pipeline_table(gpu)]
+    lines += ["", f"{time.perf_counter() - started:.0f} s in all."]
+    PIPELINES.write_text("\n".join(lines) + "\n")
+    print(PIPELINES.read_text())
+
+
 def write_solves(solves):
     lines = ["# Solving CartPole", "",
              f"Written by `make bench SOLVE=1` on {time.strftime('%Y-%m-%d')}. Machine: "
@@ -556,6 +631,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="one repetition of shorter runs, and no test suite")
+    parser.add_argument("--pipelines", action="store_true",
+                        help="only pipeline_parallel's RPC and pipelining settings, on the CPU "
+                             "and the GPU if any: bench/PIPELINES-<cores>-cores.md")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="repetitions (default: 3; 1 with --quick)")
     parser.add_argument("--solve", action="store_true",
                         help="only train rl_cartpole until solved, two ways, and write SOLVE.md "
                              "(9 minutes here; more when a run needs many episodes)")
@@ -564,7 +644,9 @@ def main():
         write_solves(solve_runs())
         print((BENCH / "SOLVE.md").read_text())
         return
-    repeats = 1 if args.quick else 3
+    repeats = args.repeats or (1 if args.quick else 3)
+    if args.pipelines:
+        return measure_pipelines(repeats, args.quick)
     started = time.perf_counter()
     print("== RPC round trip", flush=True)
     roundtrip = rpc_roundtrip(repeats=3 if args.quick else 5)

@@ -230,8 +230,9 @@ def test_spawn_all_learned(two_trainers):
 def test_spawn_all_trained_both_halves(two_trainers):
     """DDP kept the two replicas of the dense layer identical, and the table on ps moved."""
     run, summary = two_trainers
-    assert "Dense layer weights identical on trainer0, trainer1: yes" in run.stdout
-    assert "Embedding table on ps changed: yes" in run.stdout
+    # seen failing once in five quick suites (2026-11-25, not reproduced since): the output says why
+    assert "Dense layer weights identical on trainer0, trainer1: yes" in run.stdout, run.output
+    assert "Embedding table on ps changed: yes" in run.stdout, run.output
     assert summary["dense_weights_identical"] is True
     assert summary["embedding_table_changed"] is True
     assert summary["embedding_table_max_change"] > 0.01
