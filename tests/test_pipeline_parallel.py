@@ -63,9 +63,9 @@ def test_micro_batches_give_the_model_of_the_whole_batch(pipeline_world):
 
 # --------- Command line, in-process --------------------
 
-def bad_input_message(capsys, argv):
+def bad_input_message(capsys, argv, script=pipeline):
     with pytest.raises(SystemExit) as exited:
-        pipeline.parse_args(["--master_port", str(find_free_port()), *argv])
+        script.parse_args(["--master_port", str(find_free_port()), *argv])
     err = capsys.readouterr().err
     assert exited.value.code == 2
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -195,15 +195,6 @@ def test_the_two_stages_are_main_py_s_two_shards(pipeline_world):
         assert [p.shape for p in shard.parameters()] == [p.shape for p in rpc_shard.parameters()]
 
 
-def pipelining_bad_input(capsys, argv):
-    with pytest.raises(SystemExit) as exited:
-        pipelining.parse_args(["--master_port", str(find_free_port()), *argv])
-    err = capsys.readouterr().err
-    assert exited.value.code == 2
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    return err
-
-
 @pytest.mark.parametrize("argv, expected", [
     (["--world_size", "3"], "runs 2 ranks"),
     (["--num_split", "3"], "--num_split 3 does not divide the 32 images"),
@@ -216,7 +207,7 @@ def pipelining_bad_input(capsys, argv):
 def test_pipelining_refuses_bad_input_in_one_line(capsys, argv, expected):
     if "1F1B" in argv and not pipelining.one_f_one_b_works(torch.cuda.device_count()):
         expected = "1F1B over Gloo needs torch 2.8 or later"
-    assert expected in pipelining_bad_input(capsys, argv)
+    assert expected in bad_input_message(capsys, argv, pipelining)
 
 
 def test_pipelining_runs_1f1b_only_where_it_can():
