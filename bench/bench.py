@@ -395,13 +395,13 @@ THREADS = {
 }
 
 
-def machine():
+def machine(hidden="every run on the CPU"):
     cpu = next((line.split(":", 1)[1].strip() for line in
                 Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
                platform.processor())
     gpus = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
     return (f"{platform.system()} {platform.machine()}, {cpu}, {CORES} cores; "
-            f"{gpus or 'no GPU'} (hidden: every run on the CPU); "
+            f"{gpus or 'no GPU'}{f' (hidden: {hidden})' if gpus else ''}; "
             f"Python {platform.python_version()}, torch {torch.__version__}")
 
 
@@ -572,7 +572,7 @@ def measure_pipelines(repeats, quick):
     measure([cpu], repeats, quick)
     lines = ["# pipeline_parallel: RPC against torch.distributed.pipelining", "",
              f"Written by `python bench/bench.py --pipelines` on {time.strftime('%Y-%m-%d')}: "
-             f"{repeats} repetition(s). Machine: {machine()}. What is measured: "
+             f"{repeats} repetition(s). Machine: {machine('in the CPU runs')}. What is measured: "
              "[README.md](README.md); the programs: "
              "[pipeline_parallel/README.md](../pipeline_parallel/README.md).", "",
              "## On the CPU", "", *pipeline_table(cpu)]
