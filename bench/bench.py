@@ -316,10 +316,9 @@ def measure(all_comparisons, repeats, quick, env=CPU_ONLY):
     for rep in range(repeats):
         print(f"== repetition {rep + 1} of {repeats}", flush=True)
         keys = [comparison.key for comparison in all_comparisons]
-        # the pipeline's alone, for its peak memory
-        base = baselines([key for key in keys if key != "pipeline_parallel"], quick, env) if (
-            keys != ["pipeline_parallel"]) else {}
-        if "pipeline_parallel" in keys:
+        others = [key for key in keys if key != "pipeline_parallel"]
+        base = baselines(others, quick, env) if others else {}
+        if "pipeline_parallel" in keys:  # alone, for its peak memory
             base.update(pipeline := baselines(["pipeline_parallel"], quick, env))
         for comparison in all_comparisons:
             for variant in comparison.variants:
