@@ -156,10 +156,13 @@ def example_args_for_torch_2_4(model, example_input_microbatch):
     return {"input_args": torch.empty(inputs.shape), "output_args": torch.empty(outputs.shape)}
 
 
+SCHEDULES_SCALE_GRADS = "scale_grads" in inspect.signature(ScheduleGPipe).parameters  # once
+
+
 def mean_of_microbatches_for_torch_2_4(model, num_microbatches):
     """Later versions divide the gradients that the micro-batches summed by their number
     (scale_grads), so that a step follows the mean loss of the batch, as main.py's; 2.4 not."""
-    if "scale_grads" not in inspect.signature(ScheduleGPipe).parameters:
+    if not SCHEDULES_SCALE_GRADS:
         for p in model.parameters():
             if p.grad is not None:
                 p.grad /= num_microbatches
