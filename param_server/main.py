@@ -2,31 +2,36 @@
 
 Rank 0 is the parameter server, which holds the model; ranks 1.. are trainers, which reach it
 through RPC, distributed autograd and DistributedOptimizer. README.md says what differs from the
-tutorial and why; rpc_harness starts the ranks and bounds every wait; data.py holds the data;
-batch.py runs the batch-updating parameter server of the batch RPC tutorial.
+tutorial and why; data.py holds the data; batch.py runs the batch-updating parameter server of
+the batch RPC tutorial. rpc_harness, this project's package, bounds every wait and ends every
+rank in one line when one fails; each of its names is explained where main.py first uses it.
 
     python main.py --dataset synthetic                      # every rank on this machine
-    python main.py --world_size 2 --rank 1                  # one rank per terminal
+    python main.py --world_size=2 --rank=1                  # one rank per terminal
 """
 
+import os
+import signal
+import sys
 import time
 from pathlib import Path
 from threading import Lock
 
-try:
-    import rpc_harness  # first: it sets what torch reads when it loads
-except ModuleNotFoundError:
-    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
-                     ".venv/bin/python (README.md)") from None
-
-# isort: split
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import optim
 from torch.distributed.optim import DistributedOptimizer
+
+try:
+    import rpc_harness
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness, this project's package, is missing: install it with "
+                     "`pip install -e PATH`, PATH being the repository's folder (the one that "
+                     "holds pyproject.toml), or run `make run` there") from None
 
 from data import DATA_DIR, SYNTHETIC_TEST_SIZE, SYNTHETIC_TRAIN_SIZE, check_mnist, get_data_loaders
 
@@ -145,8 +150,11 @@ def run_parameter_server(rank, world_size, args):
     # in this case means that the parameter server will wait for all trainers
     # to complete, and then exit.
     print("PS master initializing RPC")
+    # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness, which joins
+    # the ranks where MASTER_ADDR and MASTER_PORT say (as the default env:// would), with
+    # bounded waits, and ends every rank in one line when one is lost.
     rpc.init_rpc(name="parameter_server", rank=rank, world_size=world_size,
-                 rpc_backend_options=rpc_harness.options())
+                 rpc_backend_options=rpc_harness.options(args))
     print("RPC initialized! Running parameter server...")
     rpc.shutdown()
     print("RPC shutdown on parameter server.")
@@ -187,7 +195,8 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, args):
         for i, (data, target) in enumerate(train_loader):
             if i == args.max_batches:
                 break
-            rpc_harness.profile_step()  # not in the tutorial: --profile's window
+            # Not in the tutorial: a step of --profile's window (nothing without --profile).
+            rpc_harness.profile_step()
             with dist_autograd.context() as cid:
                 model_output = net(data)
                 target = target.to(model_output.device)
@@ -222,7 +231,8 @@ def get_accuracy(test_loader, model):
             correct_sum += correct
 
     print(f"Accuracy {correct_sum / len(test_loader.dataset)}")
-    rpc_harness.report(accuracy=correct_sum / len(test_loader.dataset))  # not in the tutorial
+    # Not in the tutorial: the accuracy for the run's summary, which rank 0 writes at the end.
+    rpc_harness.report(accuracy=correct_sum / len(test_loader.dataset))
 
 
 # Main loop for trainers.
@@ -232,7 +242,7 @@ def run_worker(rank, world_size, num_gpus, train_loader, test_loader, args):
         name=f"trainer_{rank}",
         rank=rank,
         world_size=world_size,
-        rpc_backend_options=rpc_harness.options())
+        rpc_backend_options=rpc_harness.options(args))
 
     print(f"Worker {rank} done initializing RPC")
 
@@ -240,7 +250,8 @@ def run_worker(rank, world_size, num_gpus, train_loader, test_loader, args):
     rpc.shutdown()
 
 
-# This rank's part of the tutorial's __main__, which starts it in a process of its own.
+# This rank's part of the tutorial's __main__, in the process that mp.spawn (every rank here,
+# as the other RPC tutorials start theirs) or mp.Process (the rank that --rank names) starts.
 def run(rank, world_size, args):
     if rank == 0:
         run_parameter_server(0, world_size, args)
@@ -251,7 +262,7 @@ def run(rank, world_size, args):
         run_worker(rank, world_size, args.num_gpus, train_loader, test_loader, args)
 
 
-# --------- Not in the tutorial: devices, names, the summary, the command line -------------
+# --------- Not in the tutorial: devices, names, the flags, the summary -------------
 
 def choose_devices(num_gpus, gpu_count):
     """(device of the two convs, device of the other layers): the CPU; cuda:0 for all; or the
@@ -267,7 +278,61 @@ def choose_devices(num_gpus, gpu_count):
 
 
 def worker_name(rank, world_size):
+    """Each rank's name in RPC, which the harness's messages use too."""
     return "parameter_server" if rank == 0 else f"trainer_{rank}"
+
+
+def runs_the_model(rank, world_size):
+    """The rank that computes (the model runs on the parameter server), which gets the cores."""
+    return rank == 0
+
+
+def trains(rank, world_size):
+    """The ranks that loop over batches, whose steps --profile records."""
+    return rank != 0
+
+
+def add_training_arguments(parser, lr_help="SGD learning rate (default: 0.03, the tutorial's)"):
+    """This example's flags for its data, its length and its learning rate (batch.py's too)."""
+    at_least = rpc_harness.int_at_least
+    parser.add_argument("--dataset", choices=("mnist", "synthetic"), default="mnist",
+                        help="MNIST (downloaded into --data_dir if missing), or generated digits "
+                             f"({SYNTHETIC_TRAIN_SIZE} to train on, {SYNTHETIC_TEST_SIZE} to test)")
+    parser.add_argument("--data_dir", "--data-dir", default=str(DATA_DIR), metavar="PATH",
+                        help="folder holding MNIST/raw/")
+    parser.add_argument("--epochs", type=at_least(1), default=1, metavar="N",
+                        help="passes over the data")
+    parser.add_argument("--max_batches", "--max-batches", type=at_least(1), default=None,
+                        metavar="N",
+                        help="end each trainer's epoch after this many batches (for short runs)")
+    parser.add_argument("--batch_size", "--batch-size", type=at_least(1), default=32,
+                        metavar="N", help="batch size")
+    parser.add_argument("--lr", type=rpc_harness.positive_float, default=None, metavar="RATE",
+                        help=lr_help)
+    parser.add_argument("--log_interval", "--log-interval", type=at_least(1), default=5,
+                        metavar="N", help="print the loss every this many batches")
+
+
+def check_data(parser, args):
+    """The data: MNIST must be there or downloadable (not needed by the parameter server);
+    synthetic digits read no folder."""
+    if args.dataset != "mnist" or args.rank == 0:
+        return
+    if not Path(args.data_dir).is_dir():
+        parser.error(f"--data_dir {args.data_dir}: no such folder")
+    problem = check_mnist(args.data_dir)
+    if problem:
+        parser.error(problem)
+
+
+def check_devices(parser, args):
+    """--num_gpus, where the model lives: on the parameter server."""
+    if args.rank not in (None, 0):
+        return
+    try:
+        choose_devices(args.num_gpus, torch.cuda.device_count())
+    except ValueError as err:
+        parser.error(str(err))
 
 
 def report_training(train_loader, seconds, args):
@@ -283,78 +348,113 @@ def write_summary(args, reports, mode="tutorial", more=None, more_line=""):
     accuracy = sum(r["accuracy"] for r in trainers.values()) / len(trainers)
     samples = sum(r["batches"] for r in trainers.values()) * args.batch_size
     seconds = max(r["train_seconds"] for r in trainers.values())
-    return ({"example": "param_server", "mode": mode, "dataset": args.dataset,
-             "world_size": args.world_size, "trainers": len(trainers), "epochs": args.epochs,
-             "accuracy": accuracy, "samples": samples,
-             "samples_per_second": round(samples / seconds, 1), "train_seconds": seconds,
-             "accuracy_per_trainer": {name: r["accuracy"] for name, r in trainers.items()},
-             "batches_per_trainer": {name: r["batches"] for name, r in trainers.items()},
-             **(more or {})},
-            f"accuracy {accuracy:.4f} over {len(trainers)} trainer(s), "
+    figures = {"example": "param_server", "mode": mode, "dataset": args.dataset,
+               "world_size": args.world_size, "trainers": len(trainers), "epochs": args.epochs,
+               "accuracy": accuracy, "samples": samples,
+               "samples_per_second": round(samples / seconds, 1), "train_seconds": seconds,
+               "accuracy_per_trainer": {name: r["accuracy"] for name, r in trainers.items()},
+               "batches_per_trainer": {name: r["batches"] for name, r in trainers.items()},
+               **(more or {})}
+    line = (f"accuracy {accuracy:.4f} over {len(trainers)} trainer(s), "
             f"{samples / seconds:.1f} samples/s in training{more_line}")
+    return figures, line
 
 
-def parse_args(argv=None, description="Parameter-Server RPC based training: rank 0 holds the "
-               "model, the other ranks train it through RPC.", roles=None):
-    """The command line; batch.py's `roles` for its batch-updating server (and its own flag)."""
-    batch = roles is not None
-    parser = rpc_harness.ArgumentParser(description=description)
-    # tcp: the server's convolutions need every core, and its messages are few and large, so
-    # the shared-memory transport's polling threads cost more than they save (bench/).
-    rpc_harness.add_arguments(parser, world_size=4, min_world_size=2,
-                              roles="the parameter server (rank 0) and the trainers",
-                              rpc_transport="tcp")
-    add, at_least = parser.add_argument, rpc_harness.int_at_least
-    add("--num_gpus", "--num-gpus", type=at_least(0), default=0, metavar="N",
-        help="GPUs for the model, read by the parameter server (rank 0), where the model lives: "
-             "0, 1 (cuda:0), or 2 (convs on cuda:0, the rest on cuda:1)")
-    add("--dataset", choices=("mnist", "synthetic"), default="mnist",
-        help="MNIST (downloaded into --data_dir if missing), or generated digits "
-             f"({SYNTHETIC_TRAIN_SIZE} to train on, {SYNTHETIC_TEST_SIZE} to test)")
-    add("--data_dir", "--data-dir", default=str(DATA_DIR), metavar="PATH",
-        help="folder holding MNIST/raw/")
-    add("--epochs", type=at_least(1), default=1, metavar="N", help="passes over the data")
-    add("--max_batches", "--max-batches", type=at_least(1), default=None, metavar="N",
-        help="end each trainer's epoch after this many batches (for short runs)")
-    add("--batch_size", "--batch-size", type=at_least(1), default=32, metavar="N",
-        help="batch size")
-    add("--lr", type=rpc_harness.positive_float, default=None, metavar="RATE",
-        help="SGD learning rate (default: 0.03, the tutorial's" + (
-            "; here 0.03 times --batch_update_size, as each step averages that many gradients)"
-            if batch else ")"))
-    add("--log_interval", "--log-interval", type=at_least(1), default=5, metavar="N",
-        help="print the loss every this many batches")
-    if batch:
-        add("--batch_update_size", "--batch-update-size", type=at_least(1), default=None,
-            metavar="N", help="gradients in each step (default: the number of trainers)")
-    # heavy (sharing the cores): the rank that runs the model; loops: the trainers'
-    roles = roles or dict(names=worker_name, heavy=lambda rank, _: rank == 0,
-                          loops=lambda rank, _: rank != 0, summary=write_summary)
-    args = rpc_harness.parse_args(parser, argv, per_rank=["data_dir"], **roles)
-    if (getattr(args, "batch_update_size", None) or 0) > args.world_size - 1:
-        parser.error(f"--batch_update_size {args.batch_update_size} is more than the "
-                     f"{args.world_size - 1} trainer(s) of a world of {args.world_size}")
-    if args.lr is None:  # a batch step takes the place of batch_update_size steps
-        args.lr = 0.03 * ((args.batch_update_size or args.world_size - 1) if batch else 1)
-    if args.rank in (None, 0):  # the model lives on the parameter server
-        try:
-            choose_devices(args.num_gpus, torch.cuda.device_count())
-        except ValueError as err:
-            parser.error(str(err))
-    if not Path(args.data_dir).is_dir():
-        parser.error(f"--data_dir {args.data_dir}: no such folder")
-    if args.dataset == "mnist" and args.rank != 0:  # the parameter server needs no data
-        problem = check_mnist(args.data_dir)
-        if problem:
-            parser.error(problem)
+# --------- The tutorial's __main__ --------------------
+
+def parse_args(argv=None, description="Parameter-Server RPC based training"):
+    """The tutorial's command line, with this project's flags, checked (bad input ends the
+    command here in one line, status 2). batch.py builds on make_parser()."""
+    parser = make_parser(description)
+    args = parser.parse_args(argv)
+    check_args(parser, args, worker_name, computes=runs_the_model)
+    if args.lr is None:
+        args.lr = 0.03
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    # tutorial: p = mp.Process(target=run_parameter_server or run_worker, args=(rank, ...))
-    rpc_harness.spawn(run, args=(args.world_size, args), nprocs=args.world_size, join=True)
+def make_parser(description):
+    # rpc_harness.ArgumentParser: argparse's, with every default in --help and errors in one
+    # line (status 2). rpc_harness.int_at_least(N), port_number and positive_float: argument
+    # types that refuse what the tutorial's plain int would let through.
+    parser = rpc_harness.ArgumentParser(
+        description=description)
+    parser.add_argument(
+        "--world_size", "--world-size",
+        type=rpc_harness.int_at_least(2),
+        default=4,
+        help="""Total number of participating processes. Should be the sum of
+        master node and all training nodes.""")
+    parser.add_argument(
+        "--rank",
+        type=rpc_harness.int_at_least(0),
+        default=None,
+        help="""Global rank of this process. Pass in 0 for master. Without it,
+        every rank starts here (or torchrun's RANK).""")
+    parser.add_argument(
+        "--num_gpus", "--num-gpus",
+        type=rpc_harness.int_at_least(0),
+        default=0,
+        help="""Number of GPUs to use for training, Currently supports between 0
+         and 2 GPUs. Note that this argument will be passed to the parameter servers.""")
+    parser.add_argument(
+        "--master_addr", "--master-addr",
+        type=str,
+        default=os.environ.get("MASTER_ADDR", "localhost"),
+        help="""Address of master, will default to localhost (or $MASTER_ADDR) if not
+        provided. Master must be able to accept network traffic on the address + port.""")
+    parser.add_argument(
+        "--master_port", "--master-port",
+        type=rpc_harness.port_number,
+        default=os.environ.get("MASTER_PORT", "29500"),
+        help="""Port that master is listening on, will default to 29500 (or
+        $MASTER_PORT) if not provided. Master must be able to accept network traffic on
+        the host and port.""")
+    # Not in the tutorial: this example's data, length and learning rate; then the flags that
+    # every example of this project has (timeouts, --seed, --summary_json, --profile).
+    add_training_arguments(parser)
+    # tcp: the server's convolutions need every core, and its messages are few and large, so
+    # the shared-memory transport's polling threads cost more than they save (bench/).
+    rpc_harness.add_arguments(parser, rpc_transport="tcp")
+    return parser
 
 
-if __name__ == "__main__":
-    main()
+def check_args(parser, args, names, computes, summary=None):
+    """Not in the tutorial: what argparse cannot check. rpc_harness.check_args: the world, the
+    rank, the address and port, --profile's folder; torchrun's RANK and WORLD_SIZE stand for
+    --rank and --world_size; and args.harness records what rpc_harness needs in every rank
+    (README: "What the harness changes"). Then this example's devices and data."""
+    rpc_harness.check_args(parser, args, names, computes=computes, loops=trains,
+                           summary=summary or write_summary, per_rank=["data_dir"])
+    check_devices(parser, args)
+    check_data(parser, args)
+
+
+if __name__ == '__main__':
+    args = parse_args()
+    os.environ['MASTER_ADDR'] = args.master_addr
+    os.environ["MASTER_PORT"] = str(args.master_port)
+    # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
+    # command stops the ranks it started and ends in one line, with the rank's status.
+    sys.excepthook = rpc_harness.excepthook
+    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    # spawn, not Linux's default fork, which can deadlock the DataLoader
+    mp.set_start_method("spawn")
+
+    processes = []
+    world_size = args.world_size
+    if args.rank is None:
+        # Not in this tutorial: every rank on this machine, as the other RPC tutorials start
+        # theirs.
+        mp.spawn(run, args=(world_size, args), nprocs=world_size, join=True)
+    else:
+        # The tutorial starts run_parameter_server, or makes the trainer's data here and starts
+        # run_worker; run() does either in the rank's own process, as under mp.spawn.
+        p = mp.Process(target=run, args=(args.rank, world_size, args))
+        p.start()
+        processes.append(p)
+
+        for p in processes:
+            p.join()
+        # Not in the tutorial: the rank's exit status is the command's.
+        sys.exit(p.exitcode)

@@ -1,6 +1,8 @@
-"""--profile DIR: each rank profiles itself, those that call profile_step() --profile_steps steps
-after WARMUP_STEPS (ProfilerStep#N), those that serve them until every such window has closed (a
-count in rank 0's store). Rank 0 merges the traces, or says how: python -m rpc_harness.profiling"""
+"""--profile DIR: each rank profiles itself. The ranks that loop (they call profile_step() once a
+step) record --profile_steps steps after WARMUP_STEPS (torch's ProfilerStep#N spans); the others
+record from the join until every loop's window has closed (a count in rank 0's store). At the
+end rank 0 merges every rank's trace into one timeline, a track per rank, or says how to:
+python -m rpc_harness.profiling FOLDER."""
 
 import contextlib
 import json
@@ -22,8 +24,10 @@ _args = _name = _store = _prof = None  # _prof: None before it starts, False onc
 _meta = {}  # what the merge reads in the trace
 _lock = threading.Lock()  # the trace is written once, by whichever thread gets there first
 
+
 def begin(args, rank, name, store, run):
-    """At the join, on the main thread: Kineto must first start there, and torch 2.4 stop there."""
+    """At the join, on the main thread (Kineto must first start there, and torch 2.4 stop
+    there): a rank that serves starts recording now; one that loops, at its first step."""
     global _on, _args, _name, _store, _loops, _prof
     _on = bool(getattr(args, "profile", None)) and args.harness.loops is not None
     if _on:
@@ -35,14 +39,18 @@ def begin(args, rank, name, store, run):
         else:
             _prof = _start(on_trace_ready=_write)
 
+
 def _start(**kwargs):
+    """A started profiler, with this rank's metadata, which the merge reads."""
     prof = torch.profiler.profile(**profiler_options()[0], **kwargs)
     for key, value in _meta.items():
         prof.preset_metadata_json(key, json.dumps(value))
     prof.start()
     return prof
 
+
 def step():
+    """Not in the tutorials: one step of a looping rank, for --profile's window."""
     global _prof
     if _on and _prof is None:
         _prof = _start(on_trace_ready=_write, schedule=torch.profiler.schedule(
@@ -50,9 +58,12 @@ def step():
     elif _on and _prof:
         _prof.step()
 
+
 def beat():
+    """Once a heartbeat: a serving rank stops recording once every loop's window has closed."""
     if _on and not _loops and _prof and _store.add(_CLOSED, 0) >= len(_args.harness.loops):
         _stop()
+
 
 def end(seconds=None):
     """Write the trace; when the rank stops early, within `seconds`, or leave it out."""
@@ -65,13 +76,17 @@ def end(seconds=None):
         print(f"{_name}: its trace was not written within {seconds:g} s, and is left out",
               file=sys.stderr, flush=True)
 
+
 def _stop():
+    """Stop the profiler (its trace is written by _write), once, whichever thread asks first."""
     # RuntimeError: torch 2.4 stops a profiler only from the thread that started it (compat.py)
     with _lock, contextlib.suppress(RuntimeError):
         if _prof:
             _prof.stop()
 
+
 def _write(prof):
+    """The profiler's on_trace_ready: the trace, written whole under this rank's name."""
     global _prof
     _prof = False
     path, part = Path(_args.profile) / f"{_name}.json", Path(_args.profile) / f".{_name}.json"
@@ -83,21 +98,32 @@ def _write(prof):
     if _loops:
         _store.add(_CLOSED, 1)
 
+
 def write_timeline_of_every_rank(names):
-    if _on:
-        traces = {name: json.loads(path.read_text()) for name in names
-                  if (path := Path(_args.profile) / f"{name}.json").exists()}
-        missing = [name for name in names if traces.get(name, {}).get("run") != _meta["run"]]
-        print(f"{_name}: " + (f"the traces of {', '.join(missing)} are not in {_args.profile} "
-                              "here: put every rank's trace in one folder and run `python -m "
-                              "rpc_harness.profiling FOLDER`" if missing else
-                              write_timeline(_args.profile, traces)))
+    """Rank 0, at the end: the timeline of every rank's trace of this run, if all are here (the
+    ranks of other machines wrote theirs there); otherwise how to merge them."""
+    if not _on:
+        return
+    traces = {}
+    for name in names:
+        path = Path(_args.profile) / f"{name}.json"
+        if path.exists():
+            traces[name] = json.loads(path.read_text())
+    missing = [name for name in names if traces.get(name, {}).get("run") != _meta["run"]]
+    if missing:
+        print(f"{_name}: the traces of {', '.join(missing)} are not in {_args.profile} here: put "
+              "every rank's trace in one folder and run `python -m rpc_harness.profiling FOLDER`")
+    else:
+        print(f"{_name}: {write_timeline(_args.profile, traces)}")
+
 
 def write_timeline(folder, traces):
+    """Write the merged timeline of `traces` (a name -> its trace) into folder; what it did."""
     path = Path(folder) / TIMELINE
     path.write_text(json.dumps(merge(traces)))
     return (f"wrote the timeline of {len(traces)} ranks to {path} "
             f"({path.stat().st_size // 1024} kB): open it in https://ui.perfetto.dev")
+
 
 def merge(traces):
     """One Chrome trace, a track per rank in rank order (`traces`: a name -> its trace)."""
@@ -107,17 +133,32 @@ def merge(traces):
         shift_us = (trace.get("baseTimeNanoseconds", 0) - base_ns  # times: us after the base
                     - trace.get("clockOffsetNs", 0)) / 1e3
         events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": name}})
-        # the rank's metadata replaces each process's; the profiler's bookkeeping ("Spans", the
-        # window's end) has no integer pid, and nothing of the work
-        events += [{**event, "pid": rank, **({"ts": float(event["ts"]) + shift_us}
-                                             if "ts" in event else {})}
-                   for event in trace["traceEvents"] if isinstance(event.get("pid"), int)
-                   and not event.get("name", "").startswith("process_")]
+        for event in trace["traceEvents"]:
+            # The rank's metadata replaces each process's own; the profiler's bookkeeping
+            # ("Spans", the window's end) has no integer pid, and nothing of the work.
+            if not isinstance(event.get("pid"), int):
+                continue
+            if event.get("name", "").startswith("process_"):
+                continue
+            moved = {**event, "pid": rank}
+            if "ts" in event:
+                moved["ts"] = float(event["ts"]) + shift_us
+            events.append(moved)
     return {"traceEvents": events, "displayTimeUnit": "ms", "baseTimeNanoseconds": base_ns}
 
-if __name__ == "__main__":
+
+def main():
+    """python -m rpc_harness.profiling FOLDER: the timeline of the traces in FOLDER."""
     if len(sys.argv) != 2 or not os.path.isdir(sys.argv[1]):
         sys.exit("usage: python -m rpc_harness.profiling FOLDER (every rank's --profile trace)")
-    found = [json.loads(path.read_text()) for path in Path(sys.argv[1]).glob("*.json")]
-    found = sorted((trace for trace in found if "rankName" in trace), key=lambda t: t["rank"])
-    print(write_timeline(sys.argv[1], {trace["rankName"]: trace for trace in found}))
+    traces = []
+    for path in Path(sys.argv[1]).glob("*.json"):
+        trace = json.loads(path.read_text())
+        if "rankName" in trace:
+            traces.append(trace)
+    traces.sort(key=lambda trace: trace["rank"])
+    print(write_timeline(sys.argv[1], {trace["rankName"]: trace for trace in traces}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,273 +1,292 @@
-"""init_rpc() and init_process_group() meet through the handler for "harness://": the first
-call joins every rank at rank 0's store. Then each rank holds a TCP connection to rank 0, which a
-process closes however it ends: rank 0 tells the others, each stops in one line wherever it waits
-(rpc.shutdown() would wait for ever). Done, a rank says "bye"; silent for --rpc_timeout, lost."""
+"""How the ranks meet. init_rpc() and init_process_group() take their store from the handler
+that torch calls for "harness://" (torch's extension point for an init_method scheme). The first
+call joins every rank where MASTER_ADDR and MASTER_PORT say, as env:// does: rank 0 hosts the
+store there (torchrun's agent hosts it under torchrun), each rank claims its rank with its flags,
+and every rank waits, up to --init_timeout, for every claim. Flags that differ, a rank taken
+twice, or ranks that never come end every rank that is there, in one line."""
 
-import contextlib
 import datetime
-import fcntl
 import ipaddress
 import json
 import os
-import resource
-import select
+import secrets
 import socket
-import struct
 import sys
-import threading
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from . import profiling
+from . import profiling, rank
 from .cli import listen
 from .compat import host_store
 
-INIT_METHOD = "harness://"
-HEARTBEAT_SECONDS = 1.0
-_KEYS = "rpc_harness/"
+SCHEME = "harness"
+INIT_METHOD = f"{SCHEME}://"
+_KEYS = "rpc_harness/"  # the prefix of this harness's keys in the store (torchrun's has others)
+POLL_SECONDS = 0.05  # the store wakes no client when a key appears: claims are polled
 
-_args = _rank = _name = _store = None  # this rank's command line, rank, name; the store
-_peers = {}  # rank -> its connection: rank 0's to each rank, the others' to rank 0
-_left = set()  # the peers that said bye
-_left_changed, _lost = threading.Condition(), threading.Event()  # a bye came; a peer is gone
-_report = {}
+_args = None  # this rank's command line, from options() or init_method()
+_store = None  # the store, once this rank has joined
+_registered = False  # the handler, with torch
 
-def this_rank(args, rank):
-    global _args, _rank, _name
-    _args, _rank, _name = args, rank, args.harness.names[rank]
 
-def options(num_worker_threads=16):
-    """init_rpc's rpc_backend_options: this rendezvous, --rpc_timeout and --rpc_transport."""
-    return rpc.TensorPipeRpcBackendOptions(
-        init_method=INIT_METHOD, num_worker_threads=num_worker_threads,
-        rpc_timeout=_args.rpc_timeout, _transports=["uv"] if _args.rpc_transport == "tcp" else None)
+def options(args, num_worker_threads=16):
+    """init_rpc's rpc_backend_options: TensorPipe's, meeting through this harness, with
+    --rpc_timeout, and TCP alone between ranks of one machine if --rpc_transport says tcp."""
+    _use(args)
+    transports = ["uv"] if args.rpc_transport == "tcp" else None
+    return rpc.TensorPipeRpcBackendOptions(init_method=INIT_METHOD,
+                                           num_worker_threads=num_worker_threads,
+                                           rpc_timeout=args.rpc_timeout, _transports=transports)
 
-def _rendezvous(url, **kwargs):
-    if _store is None:
-        _join()
+
+def init_method(args):
+    """init_process_group's init_method: the same meeting as options()."""
+    _use(args)
+    return INIT_METHOD
+
+
+def _use(args):
+    """Keep this rank's command line for the join, and register the handler (once)."""
+    global _args, _registered
+    _args = args
+    if not _registered:
+        dist.register_rendezvous_handler(SCHEME, _rendezvous)
+        _registered = True
+
+
+def _rendezvous(url, timeout=None, **kwargs):
+    """torch's rendezvous handler: yields (store, rank, world_size); the first call joins."""
     query = dict(pair.split("=") for pair in url.partition("?")[2].split("&"))
-    yield _store, int(query["rank"]), int(query["world_size"])
+    this_rank, world_size = int(query["rank"]), int(query["world_size"])
+    if _store is None:
+        _join(this_rank, world_size)
+    yield _store, this_rank, world_size
 
-dist.register_rendezvous_handler(INIT_METHOD.split(":")[0], _rendezvous)
-# A function run for an RPC that raises prints its traceback where it ran, and the caller, which
-# reports it, gets the same error: a rank that lost a peer would print one that nobody waits for.
-rpc.internal.print = lambda *args, **kwargs: None
 
-def _join():
+def _join(this_rank, world_size):
     global _store
-    args, world = _args, _args.world_size
-    where, first = f"{args.master_addr}:{args.master_port}", f"{args.harness.names[0]} (rank 0)"
-    if not args.harness.spawned:
-        print(f"{_name} (rank {_rank} of {world}): waiting for the other ranks at {where}, up to "
-              f"{args.init_timeout:g} s")
+    args = _args
+    name = args.harness.names[this_rank]
+    addr = os.environ["MASTER_ADDR"]
+    port = int(os.environ["MASTER_PORT"])
+    where = f"{addr}:{port}"
+    rank.install(args, this_rank)
+    if not args.harness.spawn_all:
+        print(f"{name} (rank {this_rank} of {world_size}): waiting for the other ranks at "
+              f"{where}, up to {args.init_timeout:g} s")
     deadline = time.monotonic() + args.init_timeout
-    _choose_network_interface(args.master_addr)
-    watch = listen(args.master_addr, 0) if _rank == 0 else None  # where the others reach rank 0
+    _choose_network_interface(addr)
+    watch_socket = listen(addr, 0) if this_rank == 0 else None  # where the others reach rank 0
+    _store = _open_store(args, this_rank, addr, port)
+    token = secrets.token_hex(8)
+    claims = _meet(this_rank, world_size, watch_socket, token, deadline, where)
     try:
-        _store = (host_store(listen(args.master_addr, args.master_port), args.init_timeout)
-                  if _rank == 0 and not args.torchrun else
-                  dist.TCPStore(args.master_addr, args.master_port, is_master=False,
-                                timeout=datetime.timedelta(seconds=args.init_timeout)))
-    except OSError as err:  # rank 0's port, taken since it was checked
-        _exit(f"{_name}: cannot listen on {where} ({err.strerror})", status=2)
-    except RuntimeError:  # the store's client gave up, or a signal cut its wait short (torch 2.4):
-        time.sleep(1)  # then the signal's own line and status come first, from its thread
-        _exit(f"{_name}: {first} did not come: nothing answered at {where} within "
-              f"{args.init_timeout:g} s (--init_timeout); start it with the same flags")
+        if this_rank == 0:
+            peers = _accept_peers(watch_socket, claims, deadline)
+        else:
+            peers = {0: _connect_to_rank_0(addr, claims, this_rank, token, deadline)}
+    except OSError as err:  # a rank, or rank 0, went away meanwhile
+        rank.end(f"{name}: lost a rank while joining at {where} ({err})", 1)
+    print(f"{name}: joined the other {world_size - 1} rank(s); {rank.threads_line()}")
+    rank_0 = claims[0]
+    profiling.begin(args, this_rank, name, _store, f"{rank_0['host']}:{rank_0['pid']}")
+    rank.watch(peers)
+
+
+def _open_store(args, this_rank, addr, port):
+    """Rank 0 hosts the store (but under torchrun, whose agent does); the others reach it,
+    waiting up to --init_timeout for it to come."""
+    name = args.harness.names[this_rank]
+    rank_0 = f"{args.harness.names[0]} (rank 0)"
+    where = f"{addr}:{port}"
+    timeout = datetime.timedelta(seconds=args.init_timeout)
     try:
-        claims = _meet(watch, deadline, where)
-        if _rank == 0:  # rank 0 takes each connection that names a rank of its own
-            watch.settimeout(max(1.0, deadline - time.monotonic()))
-            while len(_peers) < world - 1:
-                sock, _ = watch.accept()
-                sock.settimeout(5)
-                if 0 < (rank := struct.unpack("!I", sock.recv(4, socket.MSG_WAITALL))[0]) < world:
-                    _peers[rank] = sock
-        else:
-            _peers[0] = socket.create_connection((args.master_addr, claims[0]["port"]),
-                                                 timeout=max(1.0, deadline - time.monotonic()))
-            _peers[0].sendall(struct.pack("!I", _rank))
-    except (RuntimeError, OSError) as err:  # rank 0's store, or a rank, went away meanwhile
-        _exit(f"{_name}: lost a rank while joining at {where} ({str(err).splitlines()[0]})")
-    print(f"{_name}: joined the other {world - 1} rank(s)")
-    profiling.begin(args, _rank, _name, _store, f"{claims[0]['host']}:{claims[0]['pid']}")
-    threading.Thread(target=_watch, daemon=True, name="rpc_harness watch").start()
+        if this_rank == 0 and not args.torchrun:
+            return host_store(listen(addr, port), args.init_timeout)
+        return dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+    except OSError as err:  # rank 0's port, taken since the command line was checked
+        rank.end(f"{name}: cannot listen on {where} ({err.strerror})", 2)
+    except RuntimeError as err:
+        # On torch 2.4 a signal cuts the client's wait short with an error: then the signal's
+        # own thread ends the rank, with its line and status, within this second.
+        time.sleep(1)
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if "timed out" in message:
+            rank.end(f"{name}: {rank_0} did not come: nothing answered at {where} within "
+                     f"{args.init_timeout:g} s (--init_timeout); start it with the same flags", 1)
+        rank.end(f"{name}: cannot reach {rank_0}'s store at {where} ({message})", 1)
 
-def _meet(watch, deadline, where):
-    """Claim this rank, wait for every rank's: flags that differ, or no one, end every rank."""
-    args, world = _args, range(_args.world_size)
-    keys, verdict = [f"{_KEYS}rank{rank}" for rank in world], f"{_KEYS}verdict"
-    _claim(keys[_rank], json.dumps({"name": _name, "flags": args.harness.flags, "pid": os.getpid(),
-                                    "host": socket.gethostname(),
-                                    "port": watch and watch.getsockname()[1]}))
-    claims, ended = {}, None
-    while ended is None:
-        claims.update((rank, json.loads(_store.get(keys[rank]))) for rank in world
-                      if rank not in claims and _store.check([keys[rank]]))
-        difference = _differences(claims) if 0 in claims else ""
-        missing = [f"{args.harness.names[rank]} (rank {rank})" for rank in world
-                   if rank not in claims]
-        if _store.check([verdict]):
-            ended = _store.get(verdict)
-        elif difference:
-            ended = _store.compare_set(verdict, "", json.dumps([2, difference]))
-        elif not missing:
-            return [claims[rank] for rank in world]
-        elif time.monotonic() > deadline:
-            ended = _store.compare_set(verdict, "", json.dumps([1, (
-                f"{', '.join(missing)} did not join at {where} within {args.init_timeout:g} s "
-                f"(--init_timeout); start {'them' if len(missing) > 1 else 'it'} with the same "
-                "flags")]))
-        else:
-            time.sleep(0.05)  # polled: the store wakes no client when compare_set makes a key
-    told = _store.add(f"{_KEYS}told", 1)
-    while _rank == 0 and told < len(claims) and time.monotonic() < deadline + 2:
-        time.sleep(0.05)  # rank 0's process holds the store: the others read the verdict first
-        told = _store.add(f"{_KEYS}told", 0)
-    status, message = json.loads(ended)
-    _exit(f"{_name}: {message}", status)
 
-def _claim(key, mine):
-    """Take this rank's key, unless a live process holds it (Linux: not one that is gone)."""
+def _meet(this_rank, world_size, watch_socket, token, deadline, where):
+    """Claim this rank, then wait for every rank's claim. The first to see flags that differ
+    from rank 0's, or the deadline pass with ranks missing, writes the verdict; every rank that
+    reads it ends with it. Rank 0's process holds the store, so it stays until every rank has
+    read the verdict, or its deadline has passed."""
+    args = _args
+    names = args.harness.names
+    world = range(world_size)
+    mine = {"name": names[this_rank], "flags": args.harness.flags, "pid": os.getpid(),
+            "host": socket.gethostname(), "token": token,
+            "port": watch_socket.getsockname()[1] if watch_socket else None}
+    try:
+        _claim(this_rank, json.dumps(mine))
+        claims = {}
+        verdict = None
+        while verdict is None:
+            for other in world:
+                key = f"{_KEYS}rank{other}"
+                if other not in claims and _store.check([key]):
+                    claims[other] = json.loads(_store.get(key))
+            if _store.check([f"{_KEYS}verdict"]):
+                verdict = _store.get(f"{_KEYS}verdict")
+                break
+            difference = _differences(claims) if 0 in claims else ""
+            missing = [f"{names[other]} (rank {other})" for other in world if other not in claims]
+            if difference:
+                verdict = _decide(2, difference)
+            elif not missing:
+                return claims
+            elif time.monotonic() > deadline:
+                them = "them" if len(missing) > 1 else "it"
+                verdict = _decide(1, f"{', '.join(missing)} did not join at {where} within "
+                                     f"{args.init_timeout:g} s (--init_timeout); start {them} "
+                                     "with the same flags")
+            else:
+                time.sleep(POLL_SECONDS)
+        read = _store.add(f"{_KEYS}read the verdict", 1)
+        status, message = json.loads(verdict)
+        if this_rank == 0:
+            print(f"{names[0]}: {message}", file=sys.stderr, flush=True)
+            while read < world_size and time.monotonic() < deadline:
+                time.sleep(POLL_SECONDS)
+                read = _store.add(f"{_KEYS}read the verdict", 0)
+            rank.end(None, status)
+    except RuntimeError as err:  # the store went away: rank 0 ended meanwhile
+        rank.end(f"{names[this_rank]}: {names[0]} (rank 0) went away while the ranks were "
+                 f"joining at {where} ({str(err).splitlines()[0]})", 1)
+    rank.end(f"{names[this_rank]}: {message}", status)
+
+
+def _decide(status, message):
+    """Write the verdict unless another rank wrote one first; the verdict that stands."""
+    return _store.compare_set(f"{_KEYS}verdict", "", json.dumps([status, message]))
+
+
+def _claim(this_rank, mine):
+    """Take this rank's key, unless a live process holds it (on Linux, a holder on this machine
+    that has gone is replaced: a rank started again after it was killed)."""
+    key = f"{_KEYS}rank{this_rank}"
     held = _store.compare_set(key, "", mine).decode()
-    if held != mine:
+    if held == mine:
+        return
+    holder = json.loads(held)
+    gone = (holder["host"] == socket.gethostname() and sys.platform.startswith("linux")
+            and not Path(f"/proc/{holder['pid']}").exists())
+    if gone:
+        held = _store.compare_set(key, held, mine).decode()
+        if held == mine:
+            return
         holder = json.loads(held)
-        if (holder["host"] == socket.gethostname() and sys.platform == "linux"
-                and not Path(f"/proc/{holder['pid']}").exists()):
-            held = _store.compare_set(key, held, mine).decode()
-        if held != mine:
-            _exit(f"{_name}: rank {_rank} is taken: process {holder['pid']} on {holder['host']} "
-                  f"joined as rank {_rank} first; give every rank its own --rank", status=2)
+    rank.end(f"{_args.harness.names[this_rank]}: rank {this_rank} is taken: process "
+             f"{holder['pid']} on {holder['host']} joined as rank {this_rank} first; give every "
+             "rank its own --rank", 2)
+
 
 def _differences(claims):
     """One line naming every flag of every rank that differs from rank 0's, or ''."""
-    said = [f"{'' if key == 'script' else '--'}{key} is {_shown(claims[0]['flags'].get(key))} on "
-            f"rank 0 ({claims[0]['name']}) but {_shown(claim['flags'].get(key))} on rank {rank} "
-            f"({claim['name']})" for rank, claim in sorted(claims.items())
-            for key in sorted(set(claims[0]["flags"]) | set(claim["flags"]),
-                              key=lambda key: (key != "world_size", key))
-            if claim["flags"].get(key) != claims[0]["flags"].get(key)]
-    return ("the ranks were started with different flags: " + "; ".join(said)
-            + "; start every rank with the same values") if said else ""
+    first = claims[0]
+    differences = []
+    for other, claim in sorted(claims.items()):
+        keys = sorted(set(first["flags"]) | set(claim["flags"]),
+                      key=lambda key: (key != "world_size", key))
+        for key in keys:
+            ours = first["flags"].get(key)
+            theirs = claim["flags"].get(key)
+            if ours != theirs:
+                flag = key if key == "script" else f"--{key}"
+                differences.append(f"{flag} is {_shown(ours)} on rank 0 ({first['name']}) but "
+                                   f"{_shown(theirs)} on rank {other} ({claim['name']})")
+    if not differences:
+        return ""
+    return ("the ranks were started with different flags: " + "; ".join(differences)
+            + "; start every rank with the same values")
+
 
 def _shown(value):
-    return "unset" if value is None else " ".join(map(str, value)) if type(value) is list else value
+    if value is None:
+        return "unset"
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return value
+
+
+def _accept_peers(watch_socket, claims, deadline):
+    """Rank 0: a connection from every other rank, each proven by the token of its claim.
+    Anything else that connects (a stray, a short or a second connection) is closed and
+    ignored."""
+    peers = {}
+    while len(peers) < len(claims) - 1:
+        watch_socket.settimeout(max(1.0, deadline - time.monotonic()))
+        sock, _ = watch_socket.accept()  # socket.timeout (an OSError) past the deadline
+        sock.settimeout(5.0)
+        try:
+            words = sock.makefile("rb").readline(100).split()
+        except OSError:
+            words = []
+        claimed = int(words[0]) if len(words) == 2 and words[0].isdigit() else None
+        if (claimed in claims and claimed != 0 and claimed not in peers
+                and words[1].decode() == claims[claimed]["token"]):
+            sock.settimeout(None)
+            peers[claimed] = sock
+        else:
+            sock.close()
+    return peers
+
+
+def _connect_to_rank_0(addr, claims, this_rank, token, deadline):
+    """A rank's connection to rank 0, which it opens with its rank and its claim's token."""
+    timeout = max(1.0, deadline - time.monotonic())
+    sock = socket.create_connection((addr, claims[0]["port"]), timeout=timeout)
+    sock.sendall(f"{this_rank} {token}\n".encode())
+    sock.settimeout(None)
+    return sock
+
 
 def _choose_network_interface(addr):
-    """For TensorPipe, Gloo and NCCL, the interface towards --master_addr: locally, loopback, away
-    from the network (RPC runs unauthenticated pickles); never the host name's 127.0.1.1."""
+    """For TensorPipe, Gloo and NCCL, the interface towards MASTER_ADDR, unless set already:
+    for a local run, loopback, so that nothing listens on the network (RPC runs unauthenticated
+    pickles); never the host name's 127.0.1.1. Linux: the interface of an address is read with
+    SIOCGIFADDR."""
     family, _, _, _, sockaddr = socket.getaddrinfo(addr, 1, type=socket.SOCK_DGRAM)[0]
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(sockaddr)  # chooses the route; a UDP connect sends nothing
         local = probe.getsockname()[0]
-    name = next((name for _, name in socket.if_nameindex() if _ipv4_address(name) == local),
-                "lo" if ipaddress.ip_address(local).is_loopback else None)
-    if name:
-        for variable in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            os.environ.setdefault(variable, name)
+    name = None
+    for _, interface in socket.if_nameindex():
+        if _ipv4_address(interface) == local:
+            name = interface
+            break
+    if name is None and ipaddress.ip_address(local).is_loopback:
+        name = "lo"
+    if name is None:
+        return
+    for variable in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(variable, name)
 
-def _ipv4_address(interface):  # Linux's SIOCGIFADDR; None for an interface without one
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock, contextlib.suppress(OSError):
-        return socket.inet_ntoa(fcntl.ioctl(sock.fileno(), 0x8915, struct.pack(
-            "256s", interface.encode()[:15]))[20:24])
 
-def _watch():
-    """Every second say "." to every peer, and read theirs: "bye", "gone R", or a closed end."""
-    socks, beat = {sock: rank for rank, sock in _peers.items()}, 0.0
-    heard, unread = dict.fromkeys(_peers, time.monotonic()), dict.fromkeys(socks, b"")
-    while socks:
-        if time.monotonic() >= beat:
-            profiling.beat()
-            _send(b".\n")
-            beat = time.monotonic() + HEARTBEAT_SECONDS
-        for sock in select.select(list(socks), [], [], HEARTBEAT_SECONDS)[0]:
-            rank = socks[sock]
-            data = b""
-            with contextlib.suppress(OSError):  # a reset: closed too
-                data = sock.recv(4096)
-            if not data:
-                del socks[sock]
-                if rank not in _left:
-                    _peer_lost(rank, "its connection closed")
-                continue
-            heard[rank] = time.monotonic()
-            *lines, unread[sock] = (unread[sock] + data).split(b"\n")
-            for line in lines:
-                if line == b"bye":
-                    with _left_changed:
-                        _left.add(rank)
-                        _left_changed.notify_all()
-                elif line.startswith(b"gone "):
-                    _peer_lost(int(line[5:]), f"as {_args.harness.names[0]} saw")
-        for rank in socks.values():
-            if rank not in _left and time.monotonic() - heard[rank] > _args.rpc_timeout:
-                _peer_lost(rank, f"silent for {_args.rpc_timeout:g} s (--rpc_timeout)")
+def _ipv4_address(interface):
+    """The IPv4 address of a network interface (Linux's SIOCGIFADDR), or None."""
+    import fcntl
+    import struct
 
-def _send(message):
-    for sock in _peers.values():
-        with contextlib.suppress(OSError):  # a peer that is gone, which the watch finds
-            sock.send(message)
-
-def _peer_lost(rank, how):
-    """End in one line (spawn-all: the launcher's); rank 0 tells the others which rank went."""
-    if not _lost.is_set():
-        _lost.set()
-        _send(f"gone {rank}\n".encode())
-        _exit(None if _args.harness.spawned else
-              f"{_name}: lost contact with {_args.harness.names[rank]} (rank {rank}, {how}); "
-              "stopping")
-
-def report(**figures):
-    """Not in the tutorials: figures for the run's summary, which rank 0 writes at the end."""
-    _report.update(figures)
-    _store.set(f"{_KEYS}report{_rank}", json.dumps(_report))
-
-def fail(err):
-    """The rank's work raised: if a peer is gone, the watch ends the rank."""
-    if _peers and _lost.wait(2 * HEARTBEAT_SECONDS):
-        threading.Event().wait()
-    sys.excepthook(*sys.exc_info())
-    lines = [line for line in str(err).splitlines() if line and not line.startswith("On Worker")]
-    _exit(f"{_name}: failed: {(lines or [type(err).__name__])[0]}")
-
-def finish():
-    """Done. Rank 0 (its process holds the store, which rpc.shutdown() reads to the end) waits for
-    every bye, merges the traces and writes the summary."""
-    profiling.end()
-    report(peak_memory_mb=_peak_memory_mb())
-    _send(b"bye\n")
-    if _rank == 0:
-        with _left_changed:
-            _left_changed.wait_for(lambda: len(_left) == len(_peers), timeout=10)
-        profiling.write_timeline_of_every_rank(_args.harness.names)
-        reports = {name: json.loads(_store.get(f"{_KEYS}report{rank}"))
-                   for rank, name in enumerate(_args.harness.names)
-                   if _store.check([f"{_KEYS}report{rank}"])}
-        memory = {name: figures.pop("peak_memory_mb") for name, figures in reports.items()}
-        figures, line = _args.harness.summary(_args, {name: figures for name, figures
-                                                      in reports.items() if figures})
-        figures["peak_memory_mb"] = memory
-        figures["wall_seconds"] = round(time.time() - _args.harness.started, 3)
-        print(f"Summary: {line}; {figures['wall_seconds']:.1f} s in all")
-        if _args.summary_json:
-            Path(_args.summary_json).write_text(json.dumps(figures, indent=2) + "\n")
-
-def _peak_memory_mb():
-    """This rank's most resident memory (ru_maxrss: kB, bytes on macOS), and its GPU's if used."""
-    peak = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            // (2**20 if sys.platform == "darwin" else 2**10)}
-    if torch.cuda.is_initialized():
-        peak["cuda"] = torch.cuda.max_memory_allocated() // 2**20
-    return peak
-
-def _exit(message, status=1):
-    """End now: RPC's threads would keep an exit waiting for peers that are gone."""
-    profiling.end(seconds=3.0)
-    sys.stdout.flush()
-    if message:
-        print(message, file=sys.stderr, flush=True)
-    os._exit(status)
+    siocgifaddr = 0x8915
+    request = struct.pack("256s", interface.encode()[:15])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            answer = fcntl.ioctl(sock.fileno(), siocgifaddr, request)
+        except OSError:  # no IPv4 address
+            return None
+    return socket.inet_ntoa(answer[20:24])
