@@ -1,9 +1,10 @@
 # `make run`: every example end to end with small settings. `make test`: lint and tests.
-# Both create .venv on first use and install into it what requirements.txt lists and, editable,
-# this project (pyproject.toml): rpc_harness, the package every example imports. A requirements
-# file or pyproject.toml that changed is reinstalled (stamp files). `make test-oldest`: the quick
-# tests on the oldest versions requirements.txt allows, in .venv-oldest (requirements-oldest.txt
-# pins them).
+# Both create .venv on first use and install into it, editable, this project (pyproject.toml):
+# rpc_harness, the package every example imports; `make run` what requirements.txt lists,
+# `make test` the newest releases it allows, pinned in requirements-newest.txt, so that CI is
+# reproducible. A requirements file or pyproject.toml that changed is reinstalled (stamp files).
+# `make test-oldest`: the quick tests on the oldest versions requirements.txt allows, in
+# .venv-oldest (requirements-oldest.txt pins them).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -18,8 +19,8 @@ $(VENV)/.run-installed: requirements.txt pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -r requirements.txt -e .
 	touch $@
 
-$(VENV)/.dev-installed: requirements.txt requirements-dev.txt pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt -e .
+$(VENV)/.dev-installed: requirements-newest.txt requirements-dev.txt pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -r requirements-newest.txt -r requirements-dev.txt -e .
 	touch $@
 
 test: $(VENV)/.dev-installed

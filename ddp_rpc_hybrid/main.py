@@ -2,29 +2,37 @@
 runnable. With N trainers (world size N + 2): ranks 0..N-1 are the trainers, rank N the master,
 rank N+1 the parameter server `ps`, which holds an nn.EmbeddingBag; each trainer looks up
 embeddings there through RPC and runs an nn.Linear replicated under DDP. README.md says what
-differs from the tutorial and why; rpc_harness starts the ranks and bounds every wait;
-remote_module.py runs the tutorial's 2021 revision. `python main.py`, or `--rank R` in each
-terminal."""
+differs from the tutorial and why; remote_module.py runs the tutorial's 2021 revision.
+rpc_harness, this project's package, bounds every wait and ends every rank in one line when one
+fails; each of its names is explained where main.py first uses it.
+
+    python main.py                                          # every rank on this machine
+    python main.py --world_size=4 --rank=3                  # one rank per terminal
+"""
 
 import hashlib
+import os
 import random
+import signal
+import sys
 import time
 
-try:
-    import rpc_harness  # first: it sets what torch reads when it loads
-except ModuleNotFoundError:
-    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
-                     ".venv/bin/python (README.md)") from None
-
-# isort: split
 import torch
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
 from torch import optim
 from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+try:
+    import rpc_harness
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness, this project's package, is missing: install it with "
+                     "`pip install -e PATH`, PATH being the repository's folder (the one that "
+                     "holds pyproject.toml), or run `make run` there") from None
 
 NUM_EMBEDDINGS = 100
 EMBEDDING_DIM = 16
@@ -110,7 +118,8 @@ def _run_trainer(emb_rref, rank, args):
     for epoch in range(args.epochs):
         losses = []
         for indices, offsets, target in get_next_batch(rng, args.batches_per_epoch, device):
-            rpc_harness.profile_step()  # not in the tutorial: --profile's window
+            # Not in the tutorial: a step of --profile's window (nothing without --profile).
+            rpc_harness.profile_step()
             # each iteration in a distributed autograd context of its own
             with dist_autograd.context() as context_id:
                 output = model(indices, offsets)
@@ -129,9 +138,15 @@ def _run_trainer(emb_rref, rank, args):
 
 
 def run_worker(rank, world_size, args):
+    # Where the ranks meet: --master_addr and --master_port (the tutorial's localhost and 29500).
+    os.environ['MASTER_ADDR'] = args.master_addr
+    os.environ['MASTER_PORT'] = str(args.master_port)
     num_trainers = world_size - 2  # the tutorial's two trainers, master rank 2 and ps rank 3
 
-    rpc_backend_options = rpc_harness.options()
+    # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness, which joins
+    # the ranks where MASTER_ADDR and MASTER_PORT say, with bounded waits, and ends every rank
+    # in one line when one is lost (the tutorial's init_method is tcp://localhost:29501).
+    rpc_backend_options = rpc_harness.options(args)
 
     if rank == num_trainers:
         rpc.init_rpc(
@@ -167,9 +182,11 @@ def run_worker(rank, world_size, args):
         backend, device = choose_backend_and_device(rank, num_trainers, torch.cuda.device_count())
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        # rpc_harness.init_method(args): the same meeting as options(args), over the same
+        # store: one port for RPC and for the trainers' process group.
         dist.init_process_group(
                 backend=backend, rank=rank, world_size=num_trainers,
-                init_method=rpc_harness.INIT_METHOD)
+                init_method=rpc_harness.init_method(args))
 
         # Initialize RPC.
         trainer_name = "trainer{}".format(rank)
@@ -192,6 +209,12 @@ def run_worker(rank, world_size, args):
 
     # block until all rpcs finish
     rpc.shutdown()
+    if rank < num_trainers:
+        # Not in the tutorial: the trainers' process group ends too, as torch asks of every
+        # process group (rpc_harness counts a rank as done only once neither RPC nor a process
+        # group is left). After rpc.shutdown(), not before: a trainer gets here at once, and
+        # the _run_trainer that the master starts here uses the group (DDP) until then.
+        dist.destroy_process_group()
 
 
 # --------- Not in the tutorial: devices, names, the summary, the command line -------------
@@ -217,6 +240,8 @@ def worker_name(rank, world_size):  # trainer0..trainer{N-1}, master, ps, for N 
 
 def report_trainer(losses, seconds, dense_parameters):
     """A trainer's figures, and its dense weights' digest, which DDP keeps the same on all."""
+    # rpc_harness.report: not in the tutorial, figures for the run's summary, which rank 0
+    # writes at the end (_run_trainer returns nothing, as the tutorial's).
     weights = b"".join(param.detach().cpu().numpy().tobytes() for param in dense_parameters)
     rpc_harness.report(losses=losses, train_seconds=round(seconds, 3), backend=dist.get_backend(),
                        dense_weights=hashlib.sha256(weights).hexdigest())
@@ -247,32 +272,108 @@ def write_summary(args, reports):  # and proof that both halves trained
                                 for name, r in trainers.items()))
 
 
-def parse_args(argv=None, revision="2020"):
-    parser = rpc_harness.ArgumentParser(
-        description="DistributedDataParallel with distributed RPC: an nn.EmbeddingBag on the "
-                    f"parameter server ps, an nn.Linear under DDP on the trainers, driven by the "
-                    f"master (the tutorial's {revision} revision).")
-    # auto (shared memory): each iteration is a few tiny messages, latency-bound.
-    rpc_harness.add_arguments(parser, world_size=4, min_world_size=3,
-                              roles="N-2 trainers (ranks 0 to N-3), the master (rank N-2) and the "
-                                    "parameter server ps (rank N-1)", rpc_transport="auto")
-    add = parser.add_argument
-    add("--epochs", type=rpc_harness.int_at_least(1), default=100, metavar="N",
-        help="epochs a trainer")
-    add("--batches_per_epoch", "--batches-per-epoch", type=rpc_harness.int_at_least(1),
-        default=10, metavar="N", help="batches in each epoch")
-    # heavy: none, a model this small gains nothing from threads; loops: the trainers'
-    args = rpc_harness.parse_args(parser, argv, worker_name, heavy=lambda *_: False,
-                                  loops=lambda rank, n: rank < n - 2, summary=write_summary)
-    args.remote_module = revision == "2021"
+def computes_much(rank, world_size):
+    """No rank: a model this small gains nothing from intra-op threads, so each gets one."""
+    return False
+
+
+def trains(rank, world_size):
+    """The ranks that loop over batches, whose steps --profile records: the trainers."""
+    return rank < world_size - 2
+
+
+# --------- The tutorial's __main__ --------------------
+
+def parse_args(argv=None):
+    """The tutorial's command line, with this project's flags, checked (bad input ends the
+    command here in one line, status 2). remote_module.py builds on make_parser()."""
+    parser = make_parser("the tutorial's 2020 revision")
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    args.remote_module = False  # the table as an RRef (remote_module.py: a RemoteModule)
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    # tutorial: mp.spawn(run_worker, args=(world_size, ), nprocs=world_size, join=True)
-    rpc_harness.spawn(run_worker, args=(args.world_size, args), nprocs=args.world_size, join=True)
+def make_parser(revision):
+    # rpc_harness.ArgumentParser: argparse's, with every default in --help and errors in one
+    # line (status 2). rpc_harness.int_at_least(N) and port_number: argument types that refuse
+    # what a plain int would let through. The tutorial has no flags: these are its constants.
+    parser = rpc_harness.ArgumentParser(
+        description="DistributedDataParallel with distributed RPC: an nn.EmbeddingBag on the "
+                    "parameter server ps, an nn.Linear under DDP on the trainers, driven by the "
+                    f"master ({revision}).")
+    parser.add_argument(
+        "--world_size", "--world-size",
+        type=rpc_harness.int_at_least(3),
+        default=4,
+        help="""Total number of processes: N-2 trainers (ranks 0 to N-3), the master
+        (rank N-2) and the parameter server ps (rank N-1).""")
+    parser.add_argument(
+        "--rank",
+        type=rpc_harness.int_at_least(0),
+        default=None,
+        help="""Global rank of this process. Without it, every rank starts here (or
+        torchrun's RANK).""")
+    parser.add_argument(
+        "--master_addr", "--master-addr",
+        type=str,
+        default=os.environ.get("MASTER_ADDR", "localhost"),
+        help="""Address of rank 0, where every rank meets (or $MASTER_ADDR).""")
+    parser.add_argument(
+        "--master_port", "--master-port",
+        type=rpc_harness.port_number,
+        default=os.environ.get("MASTER_PORT", "29500"),
+        help="""Port of rank 0, where every rank meets (or $MASTER_PORT).""")
+    # Not in the tutorial: the length of training; then the flags that every example of this
+    # project has (timeouts, --seed, --summary_json, --profile).
+    parser.add_argument(
+        "--epochs",
+        type=rpc_harness.int_at_least(1),
+        default=100,
+        metavar="N",
+        help="epochs a trainer")
+    parser.add_argument(
+        "--batches_per_epoch", "--batches-per-epoch",
+        type=rpc_harness.int_at_least(1),
+        default=10,
+        metavar="N",
+        help="batches in each epoch")
+    # auto (shared memory): each iteration is a few tiny messages, latency-bound.
+    rpc_harness.add_arguments(parser, rpc_transport="auto")
+    return parser
+
+
+def check_args(parser, args):
+    """Not in the tutorial: what argparse cannot check. rpc_harness.check_args: the world, the
+    rank, the address and port, --profile's folder; torchrun's RANK and WORLD_SIZE stand for
+    --rank and --world_size; and args.harness records what rpc_harness needs in every rank
+    (README: "What the harness changes")."""
+    rpc_harness.check_args(parser, args, worker_name, computes=computes_much, loops=trains,
+                           summary=write_summary)
 
 
 if __name__ == "__main__":
-    main()
+    args = parse_args()
+    # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
+    # command stops the ranks it started and ends in one line, with the rank's status.
+    sys.excepthook = rpc_harness.excepthook
+    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    # spawn, as mp.spawn starts its ranks: the rank that --rank names starts afresh too, not as
+    # a fork of this process
+    mp.set_start_method("spawn")
+
+    processes = []
+    if args.rank is None:
+        # 2 trainers, 1 parameter server, 1 master (the tutorial's world_size = 4: --world_size).
+        mp.spawn(run_worker, args=(args.world_size, args), nprocs=args.world_size, join=True)
+    else:
+        # Not in the tutorial: the one rank that --rank (or torchrun) names, in a process of its
+        # own, as the parameter-server tutorial starts its ranks.
+        p = mp.Process(target=run_worker, args=(args.rank, args.world_size, args))
+        p.start()
+        processes.append(p)
+
+        for p in processes:
+            p.join()
+        # Not in the tutorial: the rank's exit status is the command's.
+        sys.exit(p.exitcode)

@@ -3,39 +3,45 @@ pytorch/examples#908), which the tutorial's page shows today. The table on ps be
 torch.distributed.nn.RemoteModule: `RemoteModule("ps", ...)` creates it there, its `forward`
 runs there, and `remote_parameters()` gives the RRefs that DistributedOptimizer needs, in place
 of main.py's `emb_rref`, `emb_rref.rpc_sync().forward` and `_retrieve_embedding_parameters`.
-Everything else is main.py's: the batches, devices, seeds, log lines, and the trainers and ps,
-which do the same in both revisions. README.md shows the two side by side.
+Everything else is main.py's: the batches, devices, seeds, log lines, the command line, and the
+trainers and ps, which do the same in both revisions. README.md shows the two side by side.
 
-    python remote_module.py                         # 2 trainers, the master, ps
+    python remote_module.py                                 # 2 trainers, the master, ps
+    python remote_module.py --world_size=4 --rank=3         # one rank per terminal
 """
 
+import os
 import random
+import signal
+import sys
 import time
 
-try:
-    import rpc_harness  # first: it sets what torch reads when it loads
-except ModuleNotFoundError:
-    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
-                     ".venv/bin/python (README.md)") from None
-
-# isort: split
 import torch
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
 from torch import optim
 from torch.distributed.nn import RemoteModule
 from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+try:
+    import rpc_harness
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness, this project's package, is missing: install it with "
+                     "`pip install -e PATH`, PATH being the repository's folder (the one that "
+                     "holds pyproject.toml), or run `make run` there") from None
+
 from main import (
     EMBEDDING_DIM,
     NUM_EMBEDDINGS,
     _get_embedding_weights,
+    check_args,
     choose_backend_and_device,
     get_next_batch,
-    parse_args,
+    make_parser,
     report_table,
     report_trainer,
 )
@@ -88,7 +94,8 @@ def _run_trainer(remote_emb_module, rank, args):
     for epoch in range(args.epochs):
         losses = []
         for indices, offsets, target in get_next_batch(rng, args.batches_per_epoch, device):
-            rpc_harness.profile_step()  # not in the tutorial: --profile's window
+            # Not in the tutorial: a step of --profile's window (nothing without --profile).
+            rpc_harness.profile_step()
             with dist_autograd.context() as context_id:
                 output = model(indices, offsets)
                 loss = criterion(output, target)
@@ -103,15 +110,21 @@ def _run_trainer(remote_emb_module, rank, args):
 
 
 def run_worker(rank, world_size, args):
+    # Where the ranks meet: --master_addr and --master_port, as in main.py (this revision's
+    # init_methods name tcp://localhost:29500 and tcp://localhost:29501).
+    os.environ['MASTER_ADDR'] = args.master_addr
+    os.environ['MASTER_PORT'] = str(args.master_port)
     num_trainers = world_size - 2
     if rank != num_trainers:
         return run_trainer_or_ps(rank, world_size, args)  # the same in both revisions
 
+    # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness (main.py
+    # says more).
     rpc.init_rpc(
         "master",
         rank=rank,
         world_size=world_size,
-        rpc_backend_options=rpc_harness.options())
+        rpc_backend_options=rpc_harness.options(args))
 
     remote_emb_module = RemoteModule(
         "ps",
@@ -140,11 +153,40 @@ def run_worker(rank, world_size, args):
     rpc.shutdown()
 
 
-def main(argv=None):
-    args = parse_args(argv, revision="2021")
-    # tutorial: mp.spawn(run_worker, args=(world_size, ), nprocs=world_size, join=True)
-    rpc_harness.spawn(run_worker, args=(args.world_size, args), nprocs=args.world_size, join=True)
+# --------- The tutorial's __main__ --------------------
+
+def parse_args(argv=None):
+    """main.py's command line, checked as main.py checks it (bad input ends the command here in
+    one line, status 2)."""
+    parser = make_parser("the tutorial's 2021 revision, with a RemoteModule")
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    args.remote_module = True  # the table as a RemoteModule (main.py: an RRef)
+    return args
 
 
 if __name__ == "__main__":
-    main()
+    args = parse_args()
+    # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
+    # command stops the ranks it started and ends in one line, with the rank's status.
+    sys.excepthook = rpc_harness.excepthook
+    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    # spawn, as mp.spawn starts its ranks: the rank that --rank names starts afresh too, not as
+    # a fork of this process
+    mp.set_start_method("spawn")
+
+    processes = []
+    if args.rank is None:
+        # 2 trainers, 1 parameter server, 1 master (the tutorial's world_size = 4: --world_size).
+        mp.spawn(run_worker, args=(args.world_size, args), nprocs=args.world_size, join=True)
+    else:
+        # Not in the tutorial: the one rank that --rank (or torchrun) names, in a process of its
+        # own, as the parameter-server tutorial starts its ranks.
+        p = mp.Process(target=run_worker, args=(args.rank, args.world_size, args))
+        p.start()
+        processes.append(p)
+
+        for p in processes:
+            p.join()
+        # Not in the tutorial: the rank's exit status is the command's.
+        sys.exit(p.exitcode)

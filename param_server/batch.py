@@ -14,25 +14,28 @@ model. README.md compares the two ways.
 import copy
 import hashlib
 import itertools
+import os
+import signal
+import sys
 import threading
 import time
 from datetime import datetime
 
-try:
-    import rpc_harness  # first: it sets what torch reads when it loads
-except ModuleNotFoundError:
-    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
-                     ".venv/bin/python (README.md)") from None
-
-# isort: split
 import torch
 import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import optim
 
+try:
+    import rpc_harness
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness, this project's package, is missing: install it with "
+                     "`pip install -e PATH`, PATH being the repository's folder (the one that "
+                     "holds pyproject.toml), or run `make run` there") from None
+
 from data import get_data_loaders
-from main import Net, get_accuracy
-from main import parse_args as main_parse_args
+from main import Net, check_args, get_accuracy, make_parser
 from main import write_summary as write_tutorial_summary
 
 
@@ -135,7 +138,7 @@ class Trainer:
         print(f"{name} trains its copy of the model on {self.device}")
         started = time.perf_counter()
         for i, (inputs, labels) in enumerate(self.get_next_batch()):
-            rpc_harness.profile_step()  # not in the tutorial: --profile's window
+            rpc_harness.profile_step()  # not in the tutorial: --profile's window (main.py)
             log = i % self.args.log_interval == 0
             if log:
                 timed_log(f"{name} processing one batch")
@@ -185,7 +188,9 @@ def run_ps(trainers, args):
 
 def run(rank, world_size, args):
     global trainer_data
-    options = rpc_harness.options()  # the tutorial's rpc_timeout=0 (none): the harness's bound
+    # The tutorial's rpc_timeout=0 (none): rpc_harness.options(args) bounds it by --rpc_timeout
+    # and meets the ranks as main.py says.
+    options = rpc_harness.options(args)
     if rank != 0:
         train_loader, test_loader = get_data_loaders(rank, world_size, args)
         args.batches = equal_share_batches(train_loader, world_size - 1, args)
@@ -212,7 +217,13 @@ def run(rank, world_size, args):
 
 
 def worker_name(rank, world_size):
+    """Each rank's name in RPC, which the harness's messages use too."""
     return "ps" if rank == 0 else f"trainer{rank}"
+
+
+def train(rank, world_size):
+    """The ranks that compute (the trainers train their copies), which share the cores."""
+    return rank != 0
 
 
 def equal_share_batches(train_loader, num_trainers, args):
@@ -233,18 +244,47 @@ def write_summary(args, reports):
 
 
 def parse_args(argv=None):
-    # heavy (sharing the cores): the trainers, which train; loops: theirs
-    return main_parse_args(argv, "The batch RPC tutorial's parameter server: synchronous steps, "
-                           "each on the gradients of --batch_update_size trainers.",
-                           dict(names=worker_name, heavy=lambda rank, _: rank != 0,
-                                loops=lambda rank, _: rank != 0, summary=write_summary))
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    # tutorial: mp.spawn(run, args=(world_size, ), nprocs=world_size, join=True)
-    rpc_harness.spawn(run, args=(args.world_size, args), nprocs=args.world_size, join=True)
+    """main.py's command line (the parameter-server tutorial's; the batch tutorial has none),
+    with --batch_update_size, checked as main.py checks its own."""
+    parser = make_parser(
+        "The batch RPC tutorial's parameter server: synchronous steps, each on the gradients "
+        "of --batch_update_size trainers.",
+        lr_help="SGD learning rate (default: 0.03 times --batch_update_size, as each step "
+                "averages that many gradients)")
+    parser.add_argument("--batch_update_size", "--batch-update-size",
+                        type=rpc_harness.int_at_least(1), default=None, metavar="N",
+                        help="gradients in each step (default: the number of trainers)")
+    args = parser.parse_args(argv)
+    check_args(parser, args, worker_name, computes=train, summary=write_summary)
+    trainers = args.world_size - 1
+    if (args.batch_update_size or 0) > trainers:
+        parser.error(f"--batch_update_size {args.batch_update_size} is more than the "
+                     f"{trainers} trainer(s) of a world of {args.world_size}")
+    if args.lr is None:  # a batch step takes the place of batch_update_size steps
+        args.lr = 0.03 * (args.batch_update_size or trainers)
+    return args
 
 
 if __name__ == "__main__":
-    main()
+    args = parse_args()
+    os.environ["MASTER_ADDR"] = args.master_addr
+    os.environ["MASTER_PORT"] = str(args.master_port)
+    # Not in the tutorial: a failed or killed rank, Ctrl-C or SIGTERM end this command in one
+    # line, with the rank's status (as in main.py).
+    sys.excepthook = rpc_harness.excepthook
+    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    mp.set_start_method("spawn")
+
+    processes = []
+    if args.rank is None:
+        mp.spawn(run, args=(args.world_size, args), nprocs=args.world_size, join=True)
+    else:
+        # Not in this tutorial: the one rank that --rank (or torchrun) names, in a process of
+        # its own, as the parameter-server tutorial starts its ranks.
+        p = mp.Process(target=run, args=(args.rank, args.world_size, args))
+        p.start()
+        processes.append(p)
+        for p in processes:
+            p.join()
+        # Not in the tutorial: the rank's exit status is the command's.
+        sys.exit(p.exitcode)

@@ -292,7 +292,7 @@ def trains(rank, world_size):
     return rank != 0
 
 
-def add_training_arguments(parser, lr_help="SGD learning rate (default: 0.03, the tutorial's)"):
+def add_training_arguments(parser, lr_help):
     """This example's flags for its data, its length and its learning rate (batch.py's too)."""
     at_least = rpc_harness.int_at_least
     parser.add_argument("--dataset", choices=("mnist", "synthetic"), default="mnist",
@@ -373,7 +373,7 @@ def parse_args(argv=None, description="Parameter-Server RPC based training"):
     return args
 
 
-def make_parser(description):
+def make_parser(description, lr_help="SGD learning rate (default: 0.03, the tutorial's)"):
     # rpc_harness.ArgumentParser: argparse's, with every default in --help and errors in one
     # line (status 2). rpc_harness.int_at_least(N), port_number and positive_float: argument
     # types that refuse what the tutorial's plain int would let through.
@@ -412,7 +412,7 @@ def make_parser(description):
         the host and port.""")
     # Not in the tutorial: this example's data, length and learning rate; then the flags that
     # every example of this project has (timeouts, --seed, --summary_json, --profile).
-    add_training_arguments(parser)
+    add_training_arguments(parser, lr_help)
     # tcp: the server's convolutions need every core, and its messages are few and large, so
     # the shared-memory transport's polling threads cost more than they save (bench/).
     rpc_harness.add_arguments(parser, rpc_transport="tcp")

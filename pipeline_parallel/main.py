@@ -1,27 +1,38 @@
-"""Distributed Pipeline Parallelism Using RPC: the tutorial's code, runnable. A ResNet-50 in
-two shards on `worker1` and `worker2`; the `master` chains each batch's micro-batches through
-them with asynchronous RPCs, so that shard 1 works on micro-batch i+1 while shard 2 works on i.
-README.md says what differs from the tutorial and why; rpc_harness starts the ranks and bounds
-every wait; data.py holds the data. `python main.py`, or `--rank R` in each of 3 terminals."""
+"""Distributed Pipeline Parallelism Using RPC: the tutorial's code, runnable.
 
+A ResNet-50 in two shards on `worker1` and `worker2`; the `master` chains each batch's
+micro-batches through them with asynchronous RPCs, so that shard 1 works on micro-batch i+1
+while shard 2 works on i. README.md says what differs from the tutorial and why; data.py holds
+the data; pipelining.py trains the same model with torch.distributed.pipelining. rpc_harness,
+this project's package, bounds every wait and ends every rank in one line when one fails; each
+of its names is explained where main.py first uses it.
+
+    python main.py                                          # every rank on this machine
+    python main.py --rank R                                 # one rank per terminal, R = 0, 1, 2
+"""
+
+import os
+import signal
+import sys
 import threading
 import time
 
-try:
-    import rpc_harness  # first: it sets what torch reads when it loads
-except ModuleNotFoundError:
-    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
-                     ".venv/bin/python (README.md)") from None
-
-# isort: split
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.optim as optim
 from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 from torchvision.models.resnet import Bottleneck
+
+try:
+    import rpc_harness
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness, this project's package, is missing: install it with "
+                     "`pip install -e PATH`, PATH being the repository's folder (the one that "
+                     "holds pyproject.toml), or run `make run` there") from None
 
 from data import NUM_CLASSES, class_images
 
@@ -207,8 +218,13 @@ def run_master(num_split, args):
 # Step 4: Launch RPC Processes
 
 def run_worker(rank, world_size, args):
+    os.environ['MASTER_ADDR'] = args.master_addr
+    os.environ['MASTER_PORT'] = str(args.master_port)
     torch.manual_seed(args.seed + rank)  # the shards' initial weights, on the workers
-    options = rpc_harness.options(num_worker_threads=128)
+    # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness, which joins
+    # the ranks where MASTER_ADDR and MASTER_PORT say (as the default env:// would), with
+    # bounded waits, and ends every rank in one line when one is lost.
+    options = rpc_harness.options(args, num_worker_threads=128)
 
     if rank == 0:
         rpc.init_rpc(
@@ -236,7 +252,7 @@ def run_worker(rank, world_size, args):
     rpc.shutdown()
 
 
-# --------- Not in the tutorial: devices, names, the summary, the command line -------------
+# --------- Not in the tutorial: devices, names, the summary -------------
 
 def choose_device(worker_rank, gpu_count):
     """A worker's GPU when its machine has any (on one GPU both local workers; on two, cuda:0
@@ -245,7 +261,18 @@ def choose_device(worker_rank, gpu_count):
 
 
 def worker_name(rank, world_size):
+    """Each rank's name in RPC, which the harness's messages use too."""
     return "master" if rank == 0 else f"worker{rank}"
+
+
+def holds_a_shard(rank, world_size):
+    """The ranks that compute (the workers, which run the shards), which share the cores."""
+    return rank != 0
+
+
+def is_the_master(rank, world_size):
+    """The rank that loops over batches, whose steps --profile records."""
+    return rank == 0
 
 
 def report(num_split, losses, seconds):
@@ -257,6 +284,8 @@ def report(num_split, losses, seconds):
 
 
 def write_summary(args, reports):
+    """The run's figures and its line: each num_split's seconds a batch and first and last
+    loss, from what the master reported."""
     splits = reports["master"]
     best = min(splits, key=lambda n: splits[n]["seconds_per_batch"])
     return ({"example": "pipeline_parallel", "batch_size": args.batch_size,
@@ -266,30 +295,59 @@ def write_summary(args, reports):
             + (f"; fastest: num_split {best}" if len(splits) > 1 else ""))
 
 
+# --------- The tutorial's __main__, with a command line --------------------
+
 def parse_args(argv=None):
+    """The command line (the tutorial has none: it runs 3 ranks on this machine, each
+    num_split in turn), with this project's flags, checked: bad input ends the command here in
+    one line, status 2."""
+    # rpc_harness.ArgumentParser: argparse's, with every default in --help and errors in one
+    # line (status 2). rpc_harness.int_at_least(N), port_number and positive_float: argument
+    # types that refuse what a plain int or float would let through.
     parser = rpc_harness.ArgumentParser(description=(
         "Distributed pipeline parallelism: a ResNet-50 in two shards on worker1 and worker2, "
         "driven by the master, which splits each batch into --num_split micro-batches."))
+    at_least = rpc_harness.int_at_least
+    parser.add_argument("--world_size", "--world-size", type=at_least(3), default=3,
+                        help="total number of processes: the master (rank 0), worker1 and "
+                             "worker2")
+    parser.add_argument("--rank", type=at_least(0), default=None,
+                        help="rank of this process: 0 for the master, 1 and 2 for the workers. "
+                             "Without it, every rank starts here (or torchrun's RANK)")
+    parser.add_argument("--master_addr", "--master-addr",
+                        default=os.environ.get("MASTER_ADDR", "localhost"),
+                        help="address of the master (rank 0), where every rank meets (the "
+                             "tutorial's localhost, or $MASTER_ADDR)")
+    parser.add_argument("--master_port", "--master-port", type=rpc_harness.port_number,
+                        default=os.environ.get("MASTER_PORT", "29500"),
+                        help="port of the master, where every rank meets (the tutorial's 29500, "
+                             "or $MASTER_PORT)")
+    # Not in the tutorial: this example's settings, each the tutorial's constant or size made a
+    # flag; then the flags that every example of this project has (timeouts, --seed,
+    # --summary_json, --profile).
+    parser.add_argument("--num_split", "--num-split", type=at_least(1), nargs="+",
+                        default=[1, 2, 4, 8], metavar="N",
+                        help="micro-batches per batch; several (1 2 4) are timed in turn")
+    parser.add_argument("--batch_size", "--batch-size", type=at_least(1), default=32,
+                        metavar="N", help="images per batch (the tutorial's 120)")
+    # >= 64: below, shard 2 ends at 1 x 1 pixel, where batch norm fails on a 1-image micro-batch
+    parser.add_argument("--image_size", "--image-size", type=at_least(64), default=64,
+                        metavar="PIXELS",
+                        help="height and width of the images (the tutorial's 128)")
+    parser.add_argument("--num_batches", "--num-batches", type=at_least(1), default=20,
+                        metavar="N",
+                        help="batches trained for each --num_split (the tutorial's 3)")
+    parser.add_argument("--lr", type=rpc_harness.positive_float, default=0.05, metavar="RATE",
+                        help="SGD learning rate")
     # tcp: the shards' convolutions need every core, and shared memory's polling threads
     # (one a process) took so much of two cores that a batch took 1.5 s instead of 1.0.
-    rpc_harness.add_arguments(parser, world_size=3, min_world_size=3,
-                                roles="the master (rank 0), worker1 and worker2",
-                                rpc_transport="tcp")
-    add, at_least = parser.add_argument, rpc_harness.int_at_least
-    add("--num_split", "--num-split", type=at_least(1), nargs="+", default=[1, 2, 4, 8],
-        metavar="N", help="micro-batches per batch; several (1 2 4) are timed in turn")
-    add("--batch_size", "--batch-size", type=at_least(1), default=32, metavar="N",
-        help="images per batch (the tutorial's 120)")
-    # >= 64: below, shard 2 ends at 1 x 1 pixel, where batch norm fails on a 1-image micro-batch
-    add("--image_size", "--image-size", type=at_least(64), default=64, metavar="PIXELS",
-        help="height and width of the images (the tutorial's 128)")
-    add("--num_batches", "--num-batches", type=at_least(1), default=20, metavar="N",
-        help="batches trained for each --num_split (the tutorial's 3)")
-    add("--lr", type=rpc_harness.positive_float, default=0.05, metavar="RATE",
-        help="SGD learning rate")
-    # heavy (sharing the cores): the workers, which run the shards; loops: the master's
-    args = rpc_harness.parse_args(parser, argv, worker_name, heavy=lambda rank, _: rank != 0,
-                                  loops=lambda rank, _: rank == 0, summary=write_summary)
+    rpc_harness.add_arguments(parser, rpc_transport="tcp")
+    args = parser.parse_args(argv)
+    # rpc_harness.check_args: what argparse cannot check (the world, the rank, the address and
+    # port, --profile's folder); torchrun's RANK and WORLD_SIZE stand for --rank and
+    # --world_size; args.harness records what rpc_harness needs in every rank.
+    rpc_harness.check_args(parser, args, worker_name, computes=holds_a_shard,
+                           loops=is_the_master, summary=write_summary)
     if args.world_size != 3:
         parser.error(f"this example runs 3 ranks (the master, worker1 and worker2), "
                      f"not --world_size {args.world_size}")
@@ -299,11 +357,30 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    # tutorial: mp.spawn(run_worker, args=(world_size, num_split), nprocs=world_size, join=True)
-    rpc_harness.spawn(run_worker, args=(args.world_size, args), nprocs=args.world_size, join=True)
-
-
 if __name__ == "__main__":
-    main()
+    args = parse_args()
+    # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
+    # command stops the ranks it started and ends in one line, with the rank's status.
+    sys.excepthook = rpc_harness.excepthook
+    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    # spawn, mp.spawn's own way: the rank that --rank names starts in a fresh interpreter too
+    mp.set_start_method("spawn")
+
+    processes = []
+    world_size = args.world_size
+    if args.rank is None:
+        # The tutorial spawns a world for each num_split in turn, timing each; here one world
+        # runs every --num_split in turn (run_worker), so that a rank started by --rank, in a
+        # terminal of its own, runs them all too.
+        mp.spawn(run_worker, args=(world_size, args), nprocs=world_size, join=True)
+    else:
+        # Not in the tutorial: the one rank that --rank (or torchrun) names, in a process of
+        # its own, as the parameter-server tutorial starts its ranks.
+        p = mp.Process(target=run_worker, args=(args.rank, world_size, args))
+        p.start()
+        processes.append(p)
+
+        for p in processes:
+            p.join()
+        # Not in the tutorial: the rank's exit status is the command's.
+        sys.exit(p.exitcode)

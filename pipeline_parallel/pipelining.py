@@ -2,26 +2,36 @@
 the same data with torch.distributed.pipelining, in the order and names of its tutorial,
 "Introduction to Distributed Pipeline Parallelism". Each rank is a stage (`stage0`, `stage1`);
 a schedule (GPipe, 1F1B) moves the micro-batches between them with send and recv, and the last
-stage owns the loss. No master, no RPC. `python pipelining.py`, or `--rank R` in each of 2
-terminals; README.md, "The same model with today's API", sets the two programs side by side."""
+stage owns the loss. No master, no RPC. README.md, "The same model with today's API", sets the
+two programs side by side. rpc_harness, this project's package, bounds every wait and ends every
+rank in one line when one fails; each of its names is explained where it is first used here.
+
+    python pipelining.py                                    # every stage on this machine
+    python pipelining.py --rank R                           # one stage per terminal, R = 0, 1
+    torchrun --nnodes 1 --nproc_per_node 2 pipelining.py    # as the tutorial starts them
+"""
 
 import copy
 import inspect
+import os
+import signal
+import sys
 import time
 
-try:
-    import rpc_harness  # first: it sets what torch reads when it loads
-except ModuleNotFoundError:
-    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
-                     ".venv/bin/python (README.md)") from None
-
-# isort: split
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.optim as optim
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torchvision.models import resnet50
+
+try:
+    import rpc_harness
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness, this project's package, is missing: install it with "
+                     "`pip install -e PATH`, PATH being the repository's folder (the one that "
+                     "holds pyproject.toml), or run `make run` there") from None
 
 from data import NUM_CLASSES, class_images
 
@@ -52,14 +62,21 @@ SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
 rank = device = pp_group = stage_index = num_stages = None  # the tutorial's globals: below
 
 
-def init_distributed(this_rank, world_size):
+def init_distributed(this_rank, world_size, args):
     global rank, device, pp_group, stage_index, num_stages
+    # The tutorial reads its rank and world size, and init_process_group() where to meet, from
+    # what torchrun sets; here from the command line (under torchrun, torchrun's values).
+    os.environ['MASTER_ADDR'] = args.master_addr
+    os.environ['MASTER_PORT'] = str(args.master_port)
     rank = this_rank
     backend, device = choose_backend_and_device(rank, world_size, torch.cuda.device_count())
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # rpc_harness.init_method(args): the ranks meet through rpc_harness, where MASTER_ADDR and
+    # MASTER_PORT say (as the default env:// would), with bounded waits, and every rank ends in
+    # one line when one is lost.
     dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            init_method=rpc_harness.INIT_METHOD)
+                            init_method=rpc_harness.init_method(args))
 
     # This group can be a sub-group in the N-D parallel case
     pp_group = dist.new_group()
@@ -130,7 +147,7 @@ def train(schedule_name, num_microbatches, args):
 # Step 3: Launch the distributed processes
 
 def run_worker(rank, world_size, args):
-    init_distributed(rank, world_size)
+    init_distributed(rank, world_size, args)
     print(f"stage {stage_index} of {num_stages} on {device}")
     for schedule_name in args.schedule:
         for num_microbatches in args.num_split:
@@ -140,7 +157,7 @@ def run_worker(rank, world_size, args):
     dist.destroy_process_group()
 
 
-# --------- Not in the tutorial: torch 2.4, devices, the summary, the command line ---------
+# --------- Not in the tutorial: torch 2.4, devices, names, the summary ---------
 
 def example_args_for_torch_2_4(model, example_input_microbatch):
     """torch 2.4's PipelineStage wants its input and output as examples, where later versions
@@ -187,11 +204,19 @@ def choose_backend_and_device(stage_rank, num_stages, gpu_count):
 
 
 def stage_name(rank, world_size):
+    """Each rank's name, which the harness's messages and the summary use."""
     return f"stage{rank}"
 
 
+def every_stage(rank, world_size):
+    """Every rank is a stage: each computes (they share the cores) and loops over the batches
+    (--profile records its steps)."""
+    return True
+
+
 def report(schedule_name, num_microbatches, losses, seconds):
-    """Seconds per batch, without the first batch (warm-up), for the summary."""
+    """Not in the tutorial: seconds per batch, without the first batch (warm-up), and the
+    last stage's losses, for the run's summary, which rank 0 writes at the end."""
     steady = seconds[1:] or seconds
     figures = {"seconds_per_batch": round(sum(steady) / len(steady), 4)}
     if losses:  # the last stage's
@@ -200,6 +225,8 @@ def report(schedule_name, num_microbatches, losses, seconds):
 
 
 def write_summary(args, reports):
+    """The run's figures and its line: each schedule's and count's seconds a batch and first
+    and last loss, from what the last stage reported."""
     runs = reports[stage_name(args.world_size - 1, args.world_size)]
     schedules = {}
     for key, figures in runs.items():
@@ -212,54 +239,108 @@ def write_summary(args, reports):
                       f"{s['first_loss']:.3f} -> {s['last_loss']:.3f}" for key, s in runs.items()))
 
 
+# --------- The tutorial's launch, with a command line --------------------
+
 def parse_args(argv=None):
+    """The command line (the tutorial has none: torchrun starts its 2 ranks), with this
+    project's flags, checked: bad input ends the command here in one line, status 2."""
+    # rpc_harness.ArgumentParser: argparse's, with every default in --help and errors in one
+    # line (status 2). rpc_harness.int_at_least(N), port_number and positive_float: argument
+    # types that refuse what a plain int or float would let through.
     parser = rpc_harness.ArgumentParser(description=(
         "The pipeline of main.py with torch.distributed.pipelining: a ResNet-50 in two stages, "
         "stage0 and stage1, each a rank, trained with each --schedule and --num_split in turn."))
-    rpc_harness.add_arguments(parser, world_size=2, min_world_size=2,
-                              roles="stage0 (rank 0) and stage1", rpc_transport=None)
-    add, at_least = parser.add_argument, rpc_harness.int_at_least
-    add("--schedule", nargs="+", choices=SCHEDULES, default=None,
-        help="pipeline schedules, timed in turn. Default: GPipe and 1F1B (GPipe alone where 1F1B "
-             "hangs: over Gloo before torch 2.8)")
-    add("--num_split", "--num-split", type=at_least(1), nargs="+", default=[1, 2, 4, 8],
-        metavar="N", help="micro-batches per batch (n_microbatches), each timed in turn; 1F1B "
-                          "needs at least one per stage, and runs only those")
-    add("--batch_size", "--batch-size", type=at_least(1), default=32, metavar="N",
-        help="images per batch; every --num_split must divide it")
+    at_least = rpc_harness.int_at_least
+    parser.add_argument("--world_size", "--world-size", type=at_least(2), default=2,
+                        help="total number of processes: stage0 (rank 0) and stage1")
+    parser.add_argument("--rank", type=at_least(0), default=None,
+                        help="rank of this process, which is its stage. Without it, every rank "
+                             "starts here (or torchrun's RANK)")
+    parser.add_argument("--master_addr", "--master-addr",
+                        default=os.environ.get("MASTER_ADDR", "localhost"),
+                        help="address of rank 0, where every rank meets (localhost, or "
+                             "$MASTER_ADDR, which torchrun sets)")
+    parser.add_argument("--master_port", "--master-port", type=rpc_harness.port_number,
+                        default=os.environ.get("MASTER_PORT", "29500"),
+                        help="port of rank 0, where every rank meets (29500, or $MASTER_PORT, "
+                             "which torchrun sets)")
+    # Not in the tutorial: this example's settings (those of main.py, and --schedule); then the
+    # flags that every example of this project has (timeouts, --seed, --summary_json,
+    # --profile), but --rpc_transport: there is no RPC here.
+    parser.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=None,
+                        help="pipeline schedules, timed in turn. Default: GPipe and 1F1B (GPipe "
+                             "alone where 1F1B hangs: over Gloo before torch 2.8)")
+    parser.add_argument("--num_split", "--num-split", type=at_least(1), nargs="+",
+                        default=[1, 2, 4, 8], metavar="N",
+                        help="micro-batches per batch (n_microbatches), each timed in turn; 1F1B "
+                             "needs at least one per stage, and runs only those")
+    parser.add_argument("--batch_size", "--batch-size", type=at_least(1), default=32,
+                        metavar="N", help="images per batch; every --num_split must divide it")
     # >= 64: below, shard 2 ends at 1 x 1 pixel, where batch norm fails on a 1-image micro-batch
-    add("--image_size", "--image-size", type=at_least(64), default=64, metavar="PIXELS",
-        help="height and width of the images")
-    add("--num_batches", "--num-batches", type=at_least(1), default=20, metavar="N",
-        help="batches trained for each schedule and --num_split")
-    add("--lr", type=rpc_harness.positive_float, default=0.05, metavar="RATE",
-        help="SGD learning rate")
-    args = rpc_harness.parse_args(parser, argv, stage_name, loops=lambda rank, _: True,
-                                  summary=write_summary)
+    parser.add_argument("--image_size", "--image-size", type=at_least(64), default=64,
+                        metavar="PIXELS", help="height and width of the images")
+    parser.add_argument("--num_batches", "--num-batches", type=at_least(1), default=20,
+                        metavar="N", help="batches trained for each schedule and --num_split")
+    parser.add_argument("--lr", type=rpc_harness.positive_float, default=0.05, metavar="RATE",
+                        help="SGD learning rate")
+    rpc_harness.add_arguments(parser, rpc_transport=None)
+    args = parser.parse_args(argv)
+    # rpc_harness.check_args: what argparse cannot check (the world, the rank, the address and
+    # port, --profile's folder); torchrun's RANK and WORLD_SIZE stand for --rank and
+    # --world_size; args.harness records what rpc_harness needs in every rank.
+    rpc_harness.check_args(parser, args, stage_name, computes=every_stage, loops=every_stage,
+                           summary=write_summary)
+    check_schedules(parser, args)
+    return args
+
+
+def check_schedules(parser, args):
+    """Not in the tutorial: two stages; counts of micro-batches that divide a batch; the
+    schedules that this torch and these devices can run (args.schedule, when unset)."""
     if args.world_size != 2:
         parser.error(f"this example runs 2 ranks, one a stage (stage0 and stage1), not "
                      f"--world_size {args.world_size}")
-    if uneven := [n for n in args.num_split if args.batch_size % n]:
+    uneven = [n for n in args.num_split if args.batch_size % n]
+    if uneven:
         parser.error(f"--num_split {uneven[0]} does not divide the {args.batch_size} images of a "
                      f"batch (--batch_size): a stage's micro-batches must all have one shape")
+    works = one_f_one_b_works(torch.cuda.device_count())
     if args.schedule is None:
-        args.schedule = list(SCHEDULES) if one_f_one_b_works(torch.cuda.device_count()) else [
-            "GPipe"]
-    elif "1F1B" in args.schedule and not one_f_one_b_works(torch.cuda.device_count()):
+        args.schedule = list(SCHEDULES) if works else ["GPipe"]
+    elif "1F1B" in args.schedule and not works:
         parser.error(ONE_F_ONE_B_NEEDS)
     if args.schedule == ["1F1B"] and max(args.num_split) < args.world_size:
         parser.error(f"--schedule 1F1B needs at least {args.world_size} micro-batches (one per "
                      f"stage), not --num_split {max(args.num_split)}")
     if "1F1B" in args.schedule and min(args.num_split) < args.world_size:
         print(f"1F1B runs with {args.world_size} micro-batches or more (one per stage) only")
-    return args
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    # tutorial: torchrun --nnodes 1 --nproc_per_node 2 pipelining_tutorial.py
-    rpc_harness.spawn(run_worker, args=(args.world_size, args), nprocs=args.world_size, join=True)
 
 
 if __name__ == "__main__":
-    main()
+    args = parse_args()
+    # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
+    # command stops the ranks it started and ends in one line, with the rank's status.
+    sys.excepthook = rpc_harness.excepthook
+    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    # spawn, mp.spawn's own way: the rank that --rank names starts in a fresh interpreter too
+    mp.set_start_method("spawn")
+
+    # The tutorial starts its ranks with `torchrun --nnodes 1 --nproc_per_node 2
+    # pipelining_tutorial.py`, which still works here (each torchrun process runs the rank that
+    # RANK names, below); without torchrun, this command starts them.
+    processes = []
+    world_size = args.world_size
+    if args.rank is None:
+        # Not in the tutorial: every rank on this machine, as the RPC tutorials start theirs.
+        mp.spawn(run_worker, args=(world_size, args), nprocs=world_size, join=True)
+    else:
+        # Not in the tutorial: the one rank that --rank (or torchrun) names, in a process of
+        # its own, as the parameter-server tutorial starts its ranks.
+        p = mp.Process(target=run_worker, args=(args.rank, world_size, args))
+        p.start()
+        processes.append(p)
+
+        for p in processes:
+            p.join()
+        # Not in the tutorial: the rank's exit status is the command's.
+        sys.exit(p.exitcode)

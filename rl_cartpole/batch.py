@@ -13,23 +13,34 @@ training is the tutorial's, so that the two can be compared. README.md says more
 """
 
 import functools
+import os
+import signal
+import sys
 import threading
 
-try:
-    import rpc_harness  # first: it sets what torch reads when it loads
-except ModuleNotFoundError:
-    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
-                     ".venv/bin/python (README.md)") from None
-
-# isort: split
 import numpy as np
 import torch
 import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
 from torch.distributed.rpc import rpc_async, rpc_sync
 from torch.distributions import Categorical
 
-from main import Agent, Observer, _call_method, discounted_returns, run_worker
-from main import parse_args as main_parse_args
+try:
+    import rpc_harness
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness, this project's package, is missing: install it with "
+                     "`pip install -e PATH`, PATH being the repository's folder (the one that "
+                     "holds pyproject.toml), or run `make run` there") from None
+
+from main import (
+    Agent,
+    Observer,
+    _call_method,
+    check_args,
+    discounted_returns,
+    make_parser,
+    run_worker,
+)
 
 
 def choose_device(gpu_count):
@@ -41,7 +52,8 @@ def choose_device(gpu_count):
 class BatchObserver(Observer):
 
     def run_episode(self, agent_rref, n_steps):
-        (state, _), rewards = self.env.reset(seed=self.seed), []
+        state, _ = self.env.reset(seed=self.seed)
+        rewards = []
         self.seed = None
         for _ in range(n_steps):
             # One RPC a step. The batch tutorial sends agent_rref along with every call; an RRef
@@ -146,18 +158,52 @@ class BatchAgent(Agent):
         return min_reward
 
 
+# --------- The command line, and the __main__ --------------------
+
 def parse_args(argv=None):
-    return main_parse_args(argv, "The batch RPC tutorial's agent: one forward pass of the policy "
-                           "answers every observer's request for an action.")
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    # tutorial: mp.spawn(run_worker, args=(world_size, args.num_episode, batch), nprocs=world_size,
-    #                    join=True)
-    rpc_harness.spawn(run_worker, args=(args.world_size, args, BatchAgent),
-                      nprocs=args.world_size, join=True)
+    """main.py's command line (the first tutorial's flags, with this project's), checked: bad
+    input ends the command here in one line, status 2."""
+    parser = make_parser("The batch RPC tutorial's agent: one forward pass of the policy "
+                         "answers every observer's request for an action.")
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
 
 
 if __name__ == "__main__":
-    main()
+    args = parse_args()
+    # The batch tutorial's run_worker sets these at its top, 'localhost' and '29500'. main.py's
+    # run_worker, which the ranks run, sets them from the flags in each rank; here they are set
+    # for this command too, as the parameter-server tutorial sets them, and the ranks inherit
+    # them.
+    os.environ['MASTER_ADDR'] = args.master_addr
+    os.environ['MASTER_PORT'] = str(args.master_port)
+    # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
+    # command stops the ranks it started and ends in one line, with the rank's status.
+    sys.excepthook = rpc_harness.excepthook
+    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    # spawn, as mp.spawn starts its ranks: the rank that --rank names starts in a fresh
+    # interpreter too, not in a fork of this one (Linux's default).
+    mp.set_start_method("spawn")
+
+    processes = []
+    if args.rank is None:
+        # The batch tutorial's mp.spawn, once, with this --world_size and the batching agent
+        # (its main() times both agents for world sizes 2 to 11).
+        mp.spawn(
+            run_worker,
+            args=(args.world_size, args, BatchAgent),
+            nprocs=args.world_size,
+            join=True
+        )
+    else:
+        # Not in the tutorial: the one rank that --rank (or torchrun) names, in a process of
+        # its own, as the parameter-server tutorial starts its ranks.
+        p = mp.Process(target=run_worker, args=(args.rank, args.world_size, args, BatchAgent))
+        p.start()
+        processes.append(p)
+
+        for p in processes:
+            p.join()
+        # Not in the tutorial: the rank's exit status is the command's.
+        sys.exit(p.exitcode)

@@ -3,32 +3,37 @@
 Rank 0 is the agent, which holds the policy and trains it; ranks 1.. are observers, each with
 its own CartPole-v1 (Gymnasium). The agent starts every observer's episode with an RPC, and each
 observer calls back (a nested RPC) for every action and to report every reward. README.md says
-what differs from the tutorial and why; rpc_harness starts the ranks and bounds every wait;
-batch.py runs the agent of the batch RPC tutorial, built on the classes here.
+what differs from the tutorial and why; batch.py runs the agent of the batch RPC tutorial, built
+on the classes here. rpc_harness, this project's package, bounds every wait and ends every rank
+in one line when one fails; each of its names is explained where main.py first uses it.
 
     python main.py                                  # every rank on this machine
     python main.py --world_size 2 --rank 1          # one rank per terminal
 """
 
+import os
+import signal
+import sys
 import time
 from itertools import count
 
-try:
-    import rpc_harness  # first: it sets what torch reads when it loads
-except ModuleNotFoundError:
-    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
-                     ".venv/bin/python (README.md)") from None
-
-# isort: split
 import gymnasium as gym
 import numpy as np
 import torch
 import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
 from torch.distributed.rpc import RRef, remote, rpc_async, rpc_sync
 from torch.distributions import Categorical
+
+try:
+    import rpc_harness
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness, this project's package, is missing: install it with "
+                     "`pip install -e PATH`, PATH being the repository's folder (the one that "
+                     "holds pyproject.toml), or run `make run` there") from None
 
 
 class Policy(nn.Module):
@@ -95,7 +100,8 @@ class Agent:
         self.eps = np.finfo(np.float32).eps.item()
         self.running_reward = 0
         self.reward_threshold = gym.make('CartPole-v1').spec.reward_threshold
-        self.gamma, self.env_steps = args.gamma, 0
+        self.gamma = args.gamma
+        self.env_steps = 0
         for ob_rank in range(1, world_size):
             ob_info = rpc.get_worker_info(OBSERVER_NAME.format(ob_rank))
             self.ob_rrefs.append(remote(ob_info, observer_class, args=(args.seed,)))
@@ -163,17 +169,27 @@ OBSERVER_NAME = "observer{}"  # the tutorial's "obs" gave every observer the sam
 TOTAL_EPISODE_STEP = gym.spec('CartPole-v1').max_episode_steps
 
 
+# The tutorial's run_worker(rank, world_size), with the command line (args) and, for batch.py,
+# the agent's class.
 def run_worker(rank, world_size, args, agent_class=Agent):
+    # The tutorial's 'localhost' and '29500', from --master_addr and --master_port.
+    os.environ['MASTER_ADDR'] = args.master_addr
+    os.environ['MASTER_PORT'] = str(args.master_port)
     if rank == 0:
         # rank 0 is the agent
+        # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness, which
+        # joins the ranks where MASTER_ADDR and MASTER_PORT say (as the default env:// would),
+        # with bounded waits, and ends every rank in one line when one is lost.
         rpc.init_rpc(AGENT_NAME, rank=rank, world_size=world_size,
-                     rpc_backend_options=rpc_harness.options())
+                     rpc_backend_options=rpc_harness.options(args))
         torch.manual_seed(args.seed)
 
         agent = agent_class(world_size, args)
         started = time.perf_counter()
         for i_episode in count(1):
-            rpc_harness.profile_step()  # not in the tutorial: --profile's window
+            # Not in the tutorial: rpc_harness.profile_step() counts the agent's steps (an
+            # episode each), for the window that --profile records.
+            rpc_harness.profile_step()
             agent.run_episode(n_steps=TOTAL_EPISODE_STEP)
             last_reward = agent.finish_episode()
 
@@ -192,14 +208,14 @@ def run_worker(rank, world_size, args, agent_class=Agent):
     else:
         # other ranks are the observer
         rpc.init_rpc(OBSERVER_NAME.format(rank), rank=rank, world_size=world_size,
-                     rpc_backend_options=rpc_harness.options())
+                     rpc_backend_options=rpc_harness.options(args))
         # observers passively waiting for instructions from the agent
 
     # block until all rpcs finish, and shutdown the RPC instance
     rpc.shutdown()
 
 
-# --------- Not in the tutorial: returns, names, the summary, the command line -------------
+# --------- Not in the tutorial: returns, names, the summary -------------
 
 def discounted_returns(rewards_per_observer, gamma, eps):
     """R_t = r_t + gamma * R_(t+1), discounted back from the end of each observer's own episode
@@ -216,11 +232,13 @@ def discounted_returns(rewards_per_observer, gamma, eps):
 
 
 def worker_name(rank, world_size):
+    """Each rank's name in RPC, which the harness's messages use too."""
     return AGENT_NAME if rank == 0 else OBSERVER_NAME.format(rank)
 
 
 def report(agent, episodes, last_reward, seconds):
-    """The run's figures, for the summary that rank 0 writes at the end (write_summary)."""
+    """The run's figures: rpc_harness.report() keeps them for the summary that rank 0 writes at
+    the end (write_summary)."""
     rpc_harness.report(
         mode=type(agent).__name__, episodes=episodes, last_reward=last_reward,
         running_reward=agent.running_reward, env_steps=agent.env_steps,
@@ -228,6 +246,7 @@ def report(agent, episodes, last_reward, seconds):
 
 
 def write_summary(args, reports):
+    """The run's figures and its one-line summary, from what the agent reported (report())."""
     agent = reports[AGENT_NAME]
     steps_per_second = agent["env_steps"] / agent["training_seconds"]
     return ({"example": "rl_cartpole", **agent, "observers": args.world_size - 1,
@@ -238,30 +257,121 @@ def write_summary(args, reports):
             f"steps at {steps_per_second:.1f} steps/s")
 
 
-def parse_args(argv=None, description="RPC Reinforcement Learning Example: rank 0, the agent, "
-               "trains a policy on CartPole-v1 with the episodes that the other ranks, the "
-               "observers, play."):
-    parser = rpc_harness.ArgumentParser(description=description)
-    # auto (shared memory): a step is two tiny messages, so their latency is what counts.
-    rpc_harness.add_arguments(parser, world_size=2, min_world_size=2,
-                              roles="the agent (rank 0) and the observers", rpc_transport="auto")
-    add = parser.add_argument
-    add('--log_interval', '--log-interval', type=rpc_harness.int_at_least(1), default=10,
-        metavar="N", help='Log every log_interval episodes')
-    add('--gamma', type=rpc_harness.unit_interval, default=0.99, metavar="G",
-        help='how much to value future rewards')
-    add("--max_episodes", "--max-episodes", type=rpc_harness.int_at_least(1), default=2000,
-        metavar="N", help="stop, unsolved, after this many episodes")
-    # a policy this small gains nothing from threads: no rank is heavy
-    return rpc_harness.parse_args(parser, argv, worker_name, heavy=lambda *_: False,
-                                  loops=lambda rank, _: rank == 0, summary=write_summary)
+# --------- The tutorial's command line, and its __main__ --------------------
+
+DESCRIPTION = ("RPC Reinforcement Learning Example: rank 0, the agent, trains a policy on "
+               "CartPole-v1 with the episodes that the other ranks, the observers, play.")
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    # tutorial: mp.spawn(run_worker, args=(args.world_size, ), nprocs=args.world_size, join=True)
-    rpc_harness.spawn(run_worker, args=(args.world_size, args), nprocs=args.world_size, join=True)
+def parse_args(argv=None):
+    """The tutorial's command line, with this project's flags, checked (bad input ends the
+    command here in one line, status 2). batch.py builds on make_parser() and check_args()."""
+    parser = make_parser(DESCRIPTION)
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+def make_parser(description):
+    """The parser of main.py's flags, which batch.py's are too."""
+    # rpc_harness.ArgumentParser: argparse's, with every default in --help (the tutorial's
+    # ArgumentDefaultsHelpFormatter) and errors in one line (status 2). rpc_harness.int_at_least(N),
+    # unit_interval and port_number: argument types that refuse bad values, where the
+    # tutorial's flags had none (a value given on the command line stayed a string).
+    parser = rpc_harness.ArgumentParser(
+        description=description,
+    )
+
+    parser.add_argument('--world_size', '--world-size', default=2,
+                        type=rpc_harness.int_at_least(2), metavar='N',
+                        help='Number of workers: the agent (rank 0) and the observers')
+    # The tutorial's 1 logs every episode; 10, as its own sample output prints.
+    parser.add_argument('--log_interval', '--log-interval', default=10,
+                        type=rpc_harness.int_at_least(1), metavar='N',
+                        help='Log every log_interval episodes')
+    # The tutorial's 0.1 makes a step's return little more than its own reward, so the policy
+    # learns almost nothing about what keeps the pole up; 0.99 is the upstream example's value.
+    parser.add_argument('--gamma', default=0.99, type=rpc_harness.unit_interval, metavar='G',
+                        help='how much to value future rewards')
+    # The tutorial's --seed (default 1) is one of the flags that rpc_harness.add_arguments adds
+    # below, to every example.
+
+    # Not in the tutorial, which starts every rank on this machine: one rank a command, and
+    # where rank 0 waits for the others (the tutorial's MASTER_ADDR and MASTER_PORT).
+    parser.add_argument(
+        "--rank",
+        type=rpc_harness.int_at_least(0),
+        default=None,
+        help="""Global rank of this process: 0 for the agent, 1.. for the observers. Without
+        it, every rank starts here (or torchrun's RANK).""")
+    parser.add_argument(
+        "--master_addr", "--master-addr",
+        type=str,
+        default=os.environ.get("MASTER_ADDR", "localhost"),
+        help="""Address of the agent (rank 0), where every rank meets: localhost (or
+        $MASTER_ADDR) if not provided; another address, on a trusted network only.""")
+    parser.add_argument(
+        "--master_port", "--master-port",
+        type=rpc_harness.port_number,
+        default=os.environ.get("MASTER_PORT", "29500"),
+        help="""Port that the agent (rank 0) listens on, 29500 (or $MASTER_PORT) if not
+        provided.""")
+    # Not in the tutorial, which trains until solved: a bound on the run.
+    parser.add_argument("--max_episodes", "--max-episodes", type=rpc_harness.int_at_least(1),
+                        default=2000, metavar="N", help="stop, unsolved, after this many episodes")
+    # Then the flags that every example of this project has (timeouts, the transport, --seed,
+    # --summary_json, --profile). auto (shared memory): a step is two tiny messages, so their
+    # latency is what counts.
+    rpc_harness.add_arguments(parser, rpc_transport="auto")
+    return parser
+
+
+def check_args(parser, args):
+    """Not in the tutorial: what argparse cannot check. rpc_harness.check_args: the world, the
+    rank, the address and port, --profile's folder; torchrun's RANK and WORLD_SIZE stand for
+    --rank and --world_size; and args.harness records what rpc_harness needs in every rank
+    (README: "What the harness changes")."""
+    rpc_harness.check_args(parser, args, worker_name, computes=computes_nothing, loops=trains,
+                           summary=write_summary)
+
+
+def computes_nothing(rank, world_size):
+    """No rank computes heavily: a policy this small gains nothing from threads, so every rank
+    gets one."""
+    return False
+
+
+def trains(rank, world_size):
+    """The rank that loops over episodes (the agent), whose steps --profile records."""
+    return rank == 0
 
 
 if __name__ == "__main__":
-    main()
+    args = parse_args()
+    # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
+    # command stops the ranks it started and ends in one line, with the rank's status.
+    sys.excepthook = rpc_harness.excepthook
+    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    # spawn, as mp.spawn starts its ranks: the rank that --rank names starts in a fresh
+    # interpreter too, not in a fork of this one (Linux's default).
+    mp.set_start_method("spawn")
+
+    processes = []
+    if args.rank is None:
+        mp.spawn(
+            run_worker,
+            args=(args.world_size, args),
+            nprocs=args.world_size,
+            join=True
+        )
+    else:
+        # Not in the tutorial: the one rank that --rank (or torchrun) names, in a process of
+        # its own, as the parameter-server tutorial starts its ranks.
+        p = mp.Process(target=run_worker, args=(args.rank, args.world_size, args))
+        p.start()
+        processes.append(p)
+
+        for p in processes:
+            p.join()
+        # Not in the tutorial: the rank's exit status is the command's.
+        sys.exit(p.exitcode)

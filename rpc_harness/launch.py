@@ -25,6 +25,7 @@ def excepthook(kind, value, traceback):
     Python prints it."""
     names = cli.launched.names if cli.launched else None
     if issubclass(kind, KeyboardInterrupt):
+        _interrupt_ranks()
         _stop_ranks(wait_first=True)
         _end("interrupted; stopped every rank" if _spawned_all() else None, 130)
     if isinstance(value, mp.ProcessExitedException):
@@ -59,6 +60,14 @@ def _name(names, rank):
     if names is None:
         return f"rank {rank}"
     return f"{names[rank]} (rank {rank})"
+
+
+def _interrupt_ranks():
+    """Pass Ctrl-C on to the ranks: a terminal sends it to every process of its foreground
+    group, `kill -INT` to this command alone. A rank ends at its first SIGINT."""
+    for process in multiprocessing.active_children():
+        if process.is_alive() and process.pid:
+            os.kill(process.pid, signal.SIGINT)
 
 
 def _stop_ranks(wait_first):

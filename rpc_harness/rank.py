@@ -6,6 +6,7 @@ At the join (rendezvous.py calls install()), on the rank's main thread, the rank
 - ends when the command that started it ends (a rank started by mp.Process; mp.spawn already
   gives its ranks a death signal);
 - sizes its intra-op thread pool to its share of the cores (torch.set_num_threads);
+- writes each line of its output whole, in one write (ranks share a terminal or a log);
 - leaves out two deprecation warnings that torch prints from inside its own RPC stack;
 - runs at_the_end() when its function returns or raises (before a traceback is printed).
 
@@ -60,6 +61,7 @@ def install(args, rank):
         _end_with_the_command()
     if not os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(args.harness.threads[rank])
+    _whole_lines()
     _leave_out_known_warnings()
     # Called by multiprocessing in the rank's process as soon as the rank's function returns or
     # raises (and before the traceback of an exception is printed); at exit otherwise.
@@ -72,6 +74,13 @@ def threads_line():
         return f"{torch.get_num_threads()} thread(s), as OMP_NUM_THREADS says"
     return (f"{torch.get_num_threads()} thread(s), its share of {os.cpu_count()} core(s) "
             "(OMP_NUM_THREADS to change)")
+
+
+def _whole_lines():
+    """Each line written whole, in one write: under python -u (PYTHONUNBUFFERED), print("a", 1)
+    writes "a", " ", "1" and the newline separately, and two ranks' lines run into each other."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def _end_on_signals():
@@ -152,7 +161,13 @@ def _watch():
     heard = dict.fromkeys(_peers, time.monotonic())
     unread = dict.fromkeys(connections, b"")
     next_beat = 0.0
+    last_turn = time.monotonic()
     while connections:
+        if time.monotonic() - last_turn > 3 * HEARTBEAT_SECONDS:
+            # This process was stopped (SIGSTOP, a suspended laptop): the peers' silence is its
+            # own. What they said meanwhile is read first.
+            heard = dict.fromkeys(heard, time.monotonic())
+        last_turn = time.monotonic()
         if time.monotonic() >= next_beat:
             profiling.beat()
             _send_to_all(b".\n")

@@ -2,20 +2,18 @@
 today's torch. worker0 sends worker1 two builtin operators and a user-defined function under the
 profiler, as the recipe does; the recipe's output, the callee's operators in the caller's table,
 no longer appears, so every rank then profiles itself and rank 0 merges the traces into one
-timeline (with rpc_harness's merge). README.md says what differs and why; rpc_harness starts
-the ranks and bounds every wait. `python main.py`, or `--rank R` in each terminal."""
+timeline (with rpc_harness's merge). README.md says what differs and why. rpc_harness, this
+project's package, bounds every wait and ends every rank in one line when one fails; each of its
+names is explained where main.py first uses it.
 
-try:
-    import rpc_harness  # first: it quiets torch's C++ logs, which are set when torch loads
-except ModuleNotFoundError:
-    raise SystemExit("rpc_harness is missing: run `make run` in the repository once, then use "
-                     ".venv/bin/python (README.md)") from None
-
-# isort: split
+    python main.py                                          # every rank on this machine
+    python main.py --rank 1                                 # one rank per terminal
+"""
 
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -24,7 +22,17 @@ import time
 import torch
 import torch.autograd.profiler as profiler
 import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
 
+try:
+    import rpc_harness
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness, this project's package, is missing: install it with "
+                     "`pip install -e PATH`, PATH being the repository's folder (the one that "
+                     "holds pyproject.toml), or run `make run` there") from None
+
+# rpc_harness's merge of traces into one timeline (profiling), and the profiler's options that
+# record every thread where this torch can (compat: torch 2.4 records one thread only).
 from rpc_harness import profiling
 from rpc_harness.compat import profiler_options
 
@@ -44,15 +52,20 @@ def udf_with_ops():
 
 
 def worker(rank, world_size, args):
+    os.environ["MASTER_ADDR"] = args.master_addr
+    os.environ["MASTER_PORT"] = str(args.master_port)
     torch.manual_seed(args.seed)  # not in the recipe: random_tensor()'s values, repeatable
     worker_name = f"worker{rank}"
 
     # Initialize RPC framework.
+    # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness, which joins
+    # the ranks where MASTER_ADDR and MASTER_PORT say (as the default env:// would), with
+    # bounded waits, and ends every rank in one line when one is lost.
     rpc.init_rpc(
         name=worker_name,
         rank=rank,
         world_size=world_size,
-        rpc_backend_options=rpc_harness.options()
+        rpc_backend_options=rpc_harness.options(args)
     )
     logger.debug(f"{worker_name} successfully initialized RPC.")
 
@@ -81,7 +94,8 @@ def worker(rank, world_size, args):
 
         recipe = say_what_the_recipes_profiles_hold(prof, p, dst_worker_name)
         profile_every_rank(worker_name, dst_worker_name, t1, t2, world_size, args)
-        rpc_harness.report(recipe=recipe)  # not in the recipe: the summary's figures
+        # Not in the recipe: the figures for the run's summary, which rank 0 writes at the end.
+        rpc_harness.report(recipe=recipe)
     else:
         profile_until_worker0_is_done(worker_name, args)
 
@@ -214,40 +228,104 @@ def write_timeline(args, profiled):
         f"{len(traces)} ranks")
 
 
-# --------- Not in the tutorial: names, the command line --------------------
+# --------- Not in the tutorial: names, the threads --------------------
 
 def rank_of(name):
+    """The rank of a worker's name: worker1 -> 1."""
     return int(name.removeprefix("worker"))
 
 
 def worker_name(rank, world_size):
+    """Each rank's name in RPC, as the recipe names them, which the harness's messages use too."""
     return f"worker{rank}"
 
 
+def computes_nothing(rank, world_size):
+    """No rank does heavy computing: 3 x 3 tensors need no more than one thread each."""
+    return False
+
+
+# --------- The recipe's __main__ --------------------
+
 def parse_args(argv=None):
+    """The command line (the recipe has none: its world size, address and port as flags), with
+    this example's --profile and this project's flags, checked: bad input ends the command here
+    in one line, status 2."""
+    # rpc_harness.ArgumentParser: argparse's, with every default in --help and errors in one
+    # line (status 2). rpc_harness.int_at_least(N) and port_number: argument types that refuse
+    # what a plain int would let through.
     parser = rpc_harness.ArgumentParser(description=(
         "Profiling RPC: worker0 sends worker1 two operators and a function under the "
         "profiler, as the recipe does, then every rank profiles itself and worker0 writes one "
         "timeline of them all."))
-    rpc_harness.add_arguments(parser, world_size=2, min_world_size=2,
-                              roles="worker0 (sends the RPCs), worker1 (runs them), others idle",
-                              rpc_transport="auto", profiled=False)
+    parser.add_argument(
+        "--world_size", "--world-size",
+        type=rpc_harness.int_at_least(2),
+        default=2,
+        metavar="N",
+        help="total number of processes: worker0 (sends the RPCs), worker1 (runs them), "
+             "others idle")
+    parser.add_argument(
+        "--rank",
+        type=rpc_harness.int_at_least(0),
+        default=None,
+        metavar="R",
+        help="rank of this process. Without it, every rank starts here (or torchrun's RANK)")
+    parser.add_argument(
+        "--master_addr", "--master-addr",
+        default=os.environ.get("MASTER_ADDR", "localhost"),
+        metavar="ADDR",
+        help="address of worker0 (rank 0), or $MASTER_ADDR; other than localhost, on a trusted "
+             "network only")
+    parser.add_argument(
+        "--master_port", "--master-port",
+        type=rpc_harness.port_number,
+        default=os.environ.get("MASTER_PORT", "29500"),
+        metavar="PORT",
+        help="port where the ranks meet, on worker0's address, or $MASTER_PORT")
+    # Not in the recipe: the folder of its trace (its /tmp/trace.json) and of every rank's; then
+    # the flags that every example of this project has (timeouts, --seed, --summary_json), but
+    # the harness's --profile: this example profiles itself.
     parser.add_argument(
         "--profile", default="traces", metavar="DIR",
         help="folder for the traces: the recipe's trace.json, one per rank (worker0.json, ...) "
              "and worker0's timeline.json of them all; made if missing")
-    # heavy: none, 3 x 3 tensors need no more than one thread
-    args = rpc_harness.parse_args(parser, argv, worker_name, heavy=lambda *_: False,
-                                  summary=write_timeline, per_rank=["profile"])
-    rpc_harness.check_folder(parser, args.profile)
+    rpc_harness.add_arguments(parser, rpc_transport="auto", profiled=False)
+    args = parser.parse_args(argv)
+    # rpc_harness.check_args: the world, the rank, the address and port; torchrun's RANK and
+    # WORLD_SIZE stand for --rank and --world_size; and args.harness records what rpc_harness
+    # needs in every rank (README: "What the harness changes"). loops=None: no rank calls
+    # profile_step(), the recipe's profilers are its own. Then --profile's folder.
+    rpc_harness.check_args(parser, args, worker_name, computes=computes_nothing, loops=None,
+                           summary=write_timeline, per_rank=["profile"])
+    rpc_harness.check_folder(parser, "--profile", args.profile)
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    # tutorial: mp.spawn(worker, args=(world_size,), nprocs=world_size)
-    rpc_harness.spawn(worker, args=(args.world_size, args), nprocs=args.world_size)
+if __name__ == '__main__':
+    args = parse_args()
+    # Not in the recipe: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this command
+    # stops the ranks it started and ends in one line, with the rank's status.
+    sys.excepthook = rpc_harness.excepthook
+    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    # spawn, mp.spawn's start method: the rank that --rank names runs as it would under
+    # mp.spawn, in a fresh interpreter, not in a fork of this one (unsafe once torch has
+    # started threads)
+    mp.set_start_method("spawn")
 
+    processes = []
+    # Run 2 RPC workers (--world_size).
+    world_size = args.world_size
+    if args.rank is None:
+        mp.spawn(worker, args=(world_size, args), nprocs=world_size, join=True)
+    else:
+        # Not in the recipe: the one rank that --rank (or torchrun) names, in a process of its
+        # own, as the parameter-server tutorial starts its ranks.
+        p = mp.Process(target=worker, args=(args.rank, world_size, args))
+        p.start()
+        processes.append(p)
 
-if __name__ == "__main__":
-    main()
+        for p in processes:
+            p.join()
+        # Not in the recipe: the rank's exit status is the command's.
+        sys.exit(p.exitcode)

@@ -169,8 +169,8 @@ class Runs(list):
         return self.start_command([*prefix, *example_command(example, *args, script=script)],
                                   env=env)
 
-    def start_command(self, cmd, env=None):
-        run = Run(cmd, self.log_dir, env=env)
+    def start_command(self, cmd, env=None, cwd=None):
+        run = Run(cmd, self.log_dir, env=env, cwd=cwd)
         self.append(run)
         return run
 

@@ -130,7 +130,8 @@ def test_torchrun_with_too_few_processes_is_one_line(capsys, monkeypatch):
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"),
                         ("MASTER_PORT", str(find_free_port()))):
         monkeypatch.setenv(name, value)
-    assert "needs at least 3 processes" in bad_input_message(capsys, [])
+    assert "torchrun started 2 processes: the world size must be at least 3" in (
+        bad_input_message(capsys, []))
 
 
 def test_hyphenated_flags_and_torchrun_environment(monkeypatch):

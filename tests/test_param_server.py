@@ -1,11 +1,14 @@
 import json
 import re
+import shutil
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed.rpc as rpc
 from conftest import (
+    ROOT,
     check_timeline,
     find_free_port,
     load_example,
@@ -172,7 +175,7 @@ def bad_input_message(capsys, argv, module=ps):
     (["--master_port", "65536"], "from 1 to 65535"),
     (["--num_gpus", "1"], "more GPUs than the parameter server's machine has"),
     (["--num_gpus", "3"], "must be 0, 1 or 2"),
-    (["--data_dir", "/nonexistent/mnist"], "no such folder"),
+    (["--dataset", "mnist", "--data_dir", "/nonexistent/mnist"], "no such folder"),
     (["--dataset", "cifar"], "invalid choice"),
     (["--batch_update_size", "2"], "unrecognized arguments: --batch_update_size 2"),
 ])
@@ -189,6 +192,13 @@ def test_bad_input_is_one_line_and_status_2(capsys, argv, expected):
 ])
 def test_batch_bad_input_is_one_line_and_status_2(capsys, argv, expected):
     assert expected in bad_input_message(capsys, ["--dataset", "synthetic", *argv], ps_batch)
+
+
+def test_synthetic_digits_read_no_folder():
+    """--data_dir names MNIST's folder: with the synthetic digits, a missing one is no error
+    (a copy of this folder elsewhere has no data/ beside it)."""
+    args = ps.parse_args(["--dataset", "synthetic", "--data_dir", "/nonexistent/mnist"])
+    assert args.dataset == "synthetic"
 
 
 def test_num_gpus_is_checked_where_the_model_lives():
@@ -211,7 +221,7 @@ def test_hyphenated_flags_and_torchrun_environment(monkeypatch):
 def test_help_shows_every_default(capsys):
     with pytest.raises(SystemExit) as exited:
         ps.parse_args(["--help"])
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # as wrapped for the terminal's width
     assert exited.value.code == 0
     for flag in ("--world_size", "--master_port", "--epochs", "--lr", "--init_timeout"):
         assert flag in out
@@ -318,6 +328,21 @@ def test_batch_mode_learned(batch_run):
     for rank in (1, 2):
         losses = logged_losses(run.stdout, rank)
         assert len(losses) == 3 and losses[-1] < losses[0] * 0.8, losses
+
+
+@pytest.mark.slow
+def test_a_copy_of_the_folder_trains_on_synthetic_digits(tmp_path, runs):
+    """The folder copied elsewhere (no data/ beside it), run from there with a Python that has
+    torch and rpc_harness: it trains."""
+    copy = tmp_path / "my_param_server"
+    shutil.copytree(ROOT / "param_server", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    summary = tmp_path / "summary.json"
+    run = runs.start_command(
+        [sys.executable, "main.py", "--dataset", "synthetic", "--world_size", 2,
+         "--max_batches", 20, "--master_port", find_free_port(), "--summary_json", summary],
+        cwd=copy).wait(timeout=120)
+    assert run.returncode == 0, run.output
+    assert json.loads(summary.read_text())["batches_per_trainer"] == {"trainer_1": 20}
 
 
 @pytest.mark.slow

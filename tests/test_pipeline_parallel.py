@@ -155,7 +155,8 @@ def test_ranks_as_separate_commands_in_any_order_time_each_num_split(tmp_path, r
         assert re.search(rf"^number of splits = {num_split}, execution time = \d+\.\d+$",
                          master.stdout, re.M)
     assert set(json.loads((tmp_path / "summary.json").read_text())["splits"]) == {"1", "4"}
-    assert worker1.stdout.startswith("Threads: worker1 ")
+    assert worker1.stdout.startswith("worker1 (rank 1 of 3): waiting for the other ranks at ")
+    assert "worker1: joined the other 2 rank(s); " in worker1.stdout
     assert "Processing batch" not in worker1.stdout
 
 
