@@ -142,6 +142,7 @@ class Variant:
     values: list = field(default_factory=list)
     cores: list = field(default_factory=list)
     memory: list = field(default_factory=list)  # each run's peak memory: {rank: {"rss": MB}}
+    env: dict = None  # variables set for this variant's runs alone
 
     @property
     def median(self):
@@ -181,26 +182,12 @@ def param_server_without(folder, name, module, line):
     return copy / "main.py"
 
 
-def param_server_as_before(folder):
-    """param_server/main.py without this repository's fast path: glibc's default malloc
-    behaviour (the harness's _keep_freed_memory() off) in every rank, as spawn's children run
-    this script again as their __mp_main__. Run it with --rpc_transport auto for the RPC
-    agent's default transports too."""
-    script, main = Path(folder) / "param_server_before.py", ROOT / "param_server" / "main.py"
-    script.write_text(  # main.py's code run as this __main__, whose functions RPC pickles
-        "import sys\nimport rpc_harness.launch\n"
-        "rpc_harness.launch._keep_freed_memory = lambda: None\n"
-        f"sys.argv[0] = __file__ = {str(main)!r}\nsys.path.insert(0, {str(main.parent)!r})\n"
-        "exec(compile(open(__file__).read(), __file__, 'exec'))\n")
-    return script
-
-
 def param_server_before_profile(folder):
     """param_server/ as it was before --profile: its loop without rpc_harness.profile_step(),
     which is all that --profile adds to a run without it."""
     return param_server_without(
         folder, "param_server_before_profile", "main.py",
-        " " * 12 + "rpc_harness.profile_step()  # not in the tutorial: --profile's window\n")
+        " " * 12 + "rpc_harness.profile_step()\n")
 
 
 def ps_batches(quick):
@@ -209,6 +196,12 @@ def ps_batches(quick):
 
 PROFILED = "1 trainer, --profile (steps 3-5 of the trainer)"
 BEFORE_PROFILE = "1 trainer, before --profile (no profile_step() in the loop)"
+# mp.spawn gives every rank the same environment: without the harness's torch.set_num_threads()
+# at the join, every rank would compute with every core. OMP_NUM_THREADS set: the harness leaves
+# each rank's threads as the variable says.
+ALL_CORES = {"OMP_NUM_THREADS": str(CORES)}
+ONE_ALL_CORES = f"1 trainer, every rank {CORES} threads (one environment for all)"
+THREE_ALL_CORES = f"3 trainers, every rank {CORES} threads (one environment for all)"
 
 
 def comparisons(quick, folder):
@@ -226,24 +219,24 @@ def comparisons(quick, folder):
     ddp_window = (r"^Training done for epoch 0$", r"^Dense layer")
     one_trainer = ("--world_size", 2, "--dataset", "synthetic",
                    "--max_batches", ps_batches(quick))
-    before = [PY, param_server_as_before(folder), "--master_port", "{port}", "--summary_json",
-              "{summary}", "--data_dir", ROOT / "data", *one_trainer]
     before_profile = [PY, param_server_before_profile(folder), "--master_port", "{port}",
                       "--summary_json", "{summary}", "--data_dir", ROOT / "data", *one_trainer]
     all_comparisons = [
         Comparison("param_server", "param_server: training throughput", "samples/s", [
             Variant("one process"),
             Variant("1 trainer", example("param_server", *one_trainer), samples, ps_window),
-            Variant("1 trainer, before (shared memory, freed memory returned)",
-                    [*before, "--rpc_transport", "auto"], samples, ps_window),
-            Variant("1 trainer, before (TCP, freed memory returned)",
-                    [*before, "--rpc_transport", "tcp"], samples, ps_window, detail=True),
+            Variant(ONE_ALL_CORES, example("param_server", *one_trainer), samples, ps_window,
+                    env=ALL_CORES),
             Variant(PROFILED, example("param_server", *one_trainer, "--profile",
                                       Path(folder) / "profile"), samples, ps_window),
             Variant(BEFORE_PROFILE, before_profile, samples, ps_window),
             Variant("3 trainers",
                     example("param_server", "--world_size", 4, "--dataset", "synthetic",
                             "--max_batches", ps_batches(quick) // 3), samples, ps_window),
+            Variant(THREE_ALL_CORES,
+                    example("param_server", "--world_size", 4, "--dataset", "synthetic",
+                            "--max_batches", ps_batches(quick) // 3), samples, ps_window,
+                    env=ALL_CORES),
             Variant("3 trainers, batch.py",
                     example("param_server", "--world_size", 4, "--dataset", "synthetic",
                             "--max_batches", ps_batches(quick) // 3, script="batch.py"), samples,
@@ -328,7 +321,8 @@ def measure(all_comparisons, repeats, quick, env=CPU_ONLY):
                         variant.memory.append({"one process": pipeline["peak_memory_mb"]})
                     continue
                 began = time.perf_counter()
-                result = run_example(variant.cmd, *variant.window, env=env)
+                variant_env = {**env, **(variant.env or {})}
+                result = run_example(variant.cmd, *variant.window, env=variant_env)
                 variant.values.append(variant.rate(result.summary))
                 variant.cores.append(result.cores_by_thread)
                 variant.memory.append(result.summary["peak_memory_mb"])
@@ -414,8 +408,7 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
     ps, rl1, rl4 = by_key["param_server"], by_key["rl_cartpole_1"], by_key["rl_cartpole_4"]
     rnn, ddp = by_key["rnn_model_parallel"], by_key["ddp_rpc_hybrid"]
     ps_local, ps_now = ps.variants[0], ps.find("1 trainer")
-    ps_shm = ps.find("1 trainer, before (shared memory, freed memory returned)")
-    ps_tcp = ps.find("1 trainer, before (TCP, freed memory returned)")
+    ps_all_cores, ps_three_all_cores = ps.find(ONE_ALL_CORES), ps.find(THREE_ALL_CORES)
     rl4_tutorial, rl4_batch = rl4.find("tutorial mode"), rl4.find("batch.py")
     rnn_auto, rnn_tcp = rnn.find("ps + trainer"), rnn.find("ps + trainer, --rpc_transport tcp")
     ddp_rpc = ddp.find("2 trainers under DDP, master, ps")
@@ -460,16 +453,10 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
         lines += ["", f"Test suite, `pytest -m 'not slow'`: {seconds:.0f} s wall"
                       + (f"; it FAILED: {failed}" if failed else ".")]
 
-    after = [f"{ps_shm.median:.0f} samples/s as it was (TensorPipe's default transports, glibc "
-             "returning freed memory)"]
-    if ps_tcp:
-        after.append(f"{ps_tcp.median:.0f} over TCP (`--rpc_transport tcp`, now the default)")
-    after.append(f"{ps_now.median:.0f} over TCP with the server keeping its freed memory "
-                 "(`_keep_freed_memory` in rpc_harness/launch.py), as now")
     lines += [
         "", "## Targets", "",
-        "Those of issue 14 on many cores (16), with the figures before it on 2 cores "
-        "(`make bench` of 2026-11-22, commit d5dd70a) as the floor there:", "",
+        "Those set for many cores (16), with the figures of `make bench` of 2026-11-22 (commit "
+        "d5dd70a) as the floor on 2 cores:", "",
         "| Target | Measured | |", "|---|---|---|",
         f"| param_server, 1 trainer, at least 0.6 of one process (2 cores: no less than 0.74) "
         f"| {ps_ratio:.2f} | {'met' if ps_ratio >= (0.74 if CORES <= 2 else 0.6) else 'not met'} |",
@@ -484,10 +471,15 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
         f"| pipeline_parallel, the best `num_split` ({pp_best.label}) at least 1.3 times "
         f"`num_split 1` (on 16 cores) | {pp_ratio:.2f} | "
         f"{('met' if pp_ratio >= 1.3 else 'not met') if CORES >= 16 else '16 cores only'} |",
-        "", "## Before and after", "",
-        f"param_server, 1 trainer: {'; '.join(after)}. "
-        f"{ps_now.median / ps_shm.median:.2f} times as fast in all: {ps_ratio:.2f} of one "
-        f"process instead of {ps_shm.median / ps_local.median:.2f}."
+        "", "## Threads: each rank its share, or one environment for all", "",
+        "mp.spawn starts every rank with the same environment. The harness gives each rank its "
+        "share of the cores at the join (`torch.set_num_threads`: the ranks that compute share "
+        "them, the others get one thread); with one environment for all, every rank would "
+        f"compute with all {CORES} cores. param_server: 1 trainer {ps_now.median:.0f} samples/s "
+        f"with shares, {ps_all_cores.median:.0f} with all cores everywhere "
+        f"({ps_now.median / ps_all_cores.median:.2f} times); 3 trainers "
+        f"{ps.find('3 trainers').median:.0f} against {ps_three_all_cores.median:.0f} "
+        f"({ps.find('3 trainers').median / ps_three_all_cores.median:.2f} times)."
         + (" The latency-bound examples keep TensorPipe's default transports: over TCP, "
            f"rnn_model_parallel ran at {rnn_tcp.median / rnn_auto.median:.2f} times its speed "
            "with them." if rnn_tcp else ""),
