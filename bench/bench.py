@@ -330,6 +330,28 @@ def measure(all_comparisons, repeats, quick, env=CPU_ONLY):
                       f"{comparison.unit} ({time.perf_counter() - began:.0f} s)", flush=True)
 
 
+def measure_threads(repeats, quick):
+    """param_server, 1 and 3 trainers: each rank its share of the cores (the harness's
+    torch.set_num_threads at the join), against one environment for all, every rank with every
+    core; into THREADS-<cores>-cores.md."""
+    keep = ("one process", "1 trainer", ONE_ALL_CORES, "3 trainers", THREE_ALL_CORES)
+    with tempfile.TemporaryDirectory() as folder:
+        ps = next(c for c in comparisons(quick, folder) if c.key == "param_server")
+        ps.variants = [variant for variant in ps.variants if variant.label in keep]
+        measure([ps], repeats, quick)
+    lines = ["# param_server: each rank its share of the cores, or every rank every core", "",
+             f"Written by `python bench/bench.py --threads{' --quick' if quick else ''}` on "
+             f"{time.strftime('%Y-%m-%d')}: {repeats} repetition(s), the variants in turn. "
+             f"Machine: {machine()}.", "",
+             "| Variant | Median | Min | Max | Ratio to one process |", "|---|---|---|---|---|"]
+    for variant, ratio in ps.ratios():
+        lines.append(f"| {variant.label} | {variant.median:.0f} samples/s | "
+                     f"{min(variant.values):.0f} | {max(variant.values):.0f} | {ratio:.2f} |")
+    path = BENCH / f"THREADS-{CORES}-cores.md"
+    path.write_text("\n".join(lines) + "\n")
+    print(path.read_text())
+
+
 def rpc_roundtrip(repeats):
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "roundtrip.json"
@@ -625,6 +647,9 @@ def main():
     parser.add_argument("--pipelines", action="store_true",
                         help="only pipeline_parallel's RPC and pipelining settings, on the CPU "
                              "and the GPU if any: bench/PIPELINES-<cores>-cores.md")
+    parser.add_argument("--threads", action="store_true",
+                        help="only param_server with each rank's share of the cores against "
+                             "every rank with every core: bench/THREADS-<cores>-cores.md")
     parser.add_argument("--repeats", type=int, default=None,
                         help="repetitions (default: 3; 1 with --quick)")
     parser.add_argument("--solve", action="store_true",
@@ -638,6 +663,8 @@ def main():
     repeats = args.repeats or (1 if args.quick else 3)
     if args.pipelines:
         return measure_pipelines(repeats, args.quick)
+    if args.threads:
+        return measure_threads(repeats, args.quick)
     started = time.perf_counter()
     print("== RPC round trip", flush=True)
     roundtrip = rpc_roundtrip(repeats=3 if args.quick else 5)

@@ -11,7 +11,7 @@ import sys
 import time
 from types import SimpleNamespace
 
-# The summary's seconds count from here: main.py imports rpc_harness before torch.
+# The summary's seconds count from here, as main.py imports rpc_harness (after torch).
 STARTED = time.time()
 
 # Flags that describe a rank's own machine, which may differ between ranks; the join compares
@@ -120,13 +120,14 @@ def check_args(parser, args, worker_name, computes=None, loops=None, summary=Non
     summary, which rank 0 writes at the end; per_rank: the example's flags that may differ
     between ranks (paths of a rank's own machine).
 
-    It changes two things in this process, for the ranks that it starts: torch.multiprocessing's
+    It changes these things in this process, for the ranks that it starts: torch.multiprocessing's
     log level, to ERROR, so that mp.spawn does not log "Terminating process N via signal SIGTERM"
     for each rank it stops after one failed (launch.excepthook says which rank failed, in one
     line); and, unless set already, TORCH_CPP_LOG_LEVEL=FATAL in the environment that the ranks
     inherit (read as their torch loads): expected ends (a rank that never came, a lost peer) make
     torch's C++ code log errors with their C++ stack traces, which the ranks' one line replaces.
-    TORCH_CPP_LOG_LEVEL=INFO shows them."""
+    TORCH_CPP_LOG_LEVEL=INFO shows them. With --profile, KINETO_LOG_LEVEL=6 too (unless set):
+    the profiler's library logs each start and stop, and an error on a machine without a GPU."""
     global launched
     args.torchrun = args.rank is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.torchrun:
@@ -140,13 +141,17 @@ def check_args(parser, args, worker_name, computes=None, loops=None, summary=Non
     if profile and loops is not None:
         check_folder(parser, "--profile", profile)
     world = range(args.world_size)
+    computing = []
+    if computes is not None:
+        computing = [rank for rank in world if computes(rank, args.world_size)]
     compared = sorted(set(vars(args)) - PER_RANK - set(per_rank) - {"torchrun"})
     flags = {"script": os.path.basename(sys.argv[0])}
     for key in compared:
         flags[key] = getattr(args, key)
     args.harness = SimpleNamespace(
         names=[worker_name(rank, args.world_size) for rank in world],
-        threads=_thread_counts(args, computes),
+        threads=_thread_counts(args, computing),
+        computes=computing,
         loops=None if loops is None else [rank for rank in world if loops(rank, args.world_size)],
         flags=flags,
         summary=summary,
@@ -155,6 +160,8 @@ def check_args(parser, args, worker_name, computes=None, loops=None, summary=Non
     )
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    if profile:
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     launched = args.harness
     return args
 
@@ -187,7 +194,7 @@ def _check_address(parser, args):
                      "--master_port; if this run's rank 0 does, this rank is taken")
 
 
-def _thread_counts(args, computes):
+def _thread_counts(args, computing):
     """{rank: intra-op threads} for the ranks that this command starts: OMP_NUM_THREADS if set;
     else the ranks that compute share the cores and the others get one thread each. A rank on
     this machine alone (--rank with another machine's address) counts as the only one here;
@@ -200,7 +207,7 @@ def _thread_counts(args, computes):
     fixed = os.environ.get("OMP_NUM_THREADS")
     if fixed:
         return dict.fromkeys(local, int(fixed))
-    heavy = [rank for rank in local if computes is not None and computes(rank, args.world_size)]
+    heavy = [rank for rank in local if rank in computing]
     counts = {}
     for rank in local:
         counts[rank] = max(1, CORES // len(heavy)) if rank in heavy else 1

@@ -24,6 +24,7 @@ import os
 import resource
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -35,11 +36,9 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from . import profiling
+from .cli import CORES
 
 HEARTBEAT_SECONDS = 1.0
-# How long a spawn-all rank that lost a peer waits for mp.spawn to stop it: mp.spawn names the
-# rank that failed first, so the others must still be running when it looks.
-STOPPED_BY_LAUNCHER_SECONDS = 5.0
 # How long rank 0 waits, once it is done, for the others to say "bye" with their figures.
 BYE_SECONDS = 10.0
 
@@ -50,12 +49,14 @@ _byes_changed = threading.Condition()
 _lost = threading.Event()  # a peer is gone
 _said_bye = threading.Event()  # this rank is done: connections that close now are expected
 _figures = {}  # this rank's figures for the summary (report())
+_stderr = None  # a copy of this rank's stderr, where its last line goes once the rank is quiet
 
 
 def install(args, rank):
     """The handlers this rank installs at the join (the module's docstring lists them)."""
-    global _args, _rank, _name
+    global _args, _rank, _name, _stderr
     _args, _rank, _name = args, rank, args.harness.names[rank]
+    _stderr = os.dup(sys.stderr.fileno())
     _end_on_signals()
     if not args.harness.spawn_all:
         _end_with_the_command()
@@ -70,10 +71,12 @@ def install(args, rank):
 
 def threads_line():
     """How many threads this rank computes with, and why."""
+    threads = torch.get_num_threads()
     if os.environ.get("OMP_NUM_THREADS"):
-        return f"{torch.get_num_threads()} thread(s), as OMP_NUM_THREADS says"
-    return (f"{torch.get_num_threads()} thread(s), its share of {os.cpu_count()} core(s) "
-            "(OMP_NUM_THREADS to change)")
+        return f"{threads} thread(s), as OMP_NUM_THREADS says"
+    if _rank in _args.harness.computes:
+        return f"{threads} thread(s), its share of {CORES} core(s) (OMP_NUM_THREADS to change)"
+    return f"{threads} thread, as it computes little (OMP_NUM_THREADS to change)"
 
 
 def _whole_lines():
@@ -217,16 +220,18 @@ def _send_to_all(message):
 
 def _peer_lost(rank, how):
     """Tell the others (rank 0) and end this rank in one line. When mp.spawn started every
-    rank, wait for it to stop this one first: it names the rank that went, in one line."""
+    rank and the peer's process is gone, end at once without a word and with status 0: mp.spawn
+    names the rank that went first, in one line, and a status of 0 keeps this rank from passing
+    for it."""
     if _lost.is_set():
         return
+    _quiet()  # first: RPC's threads print the errors of the calls that met the peer
     _lost.set()
     _send_to_all(f"gone {rank}\n".encode())
-    line = (f"{_name}: lost contact with {_args.harness.names[rank]} (rank {rank}, {how}); "
-            "stopping")
-    if _args.harness.spawn_all:
-        time.sleep(STOPPED_BY_LAUNCHER_SECONDS)
-    end(line, 1)
+    if _args.harness.spawn_all and not how.startswith("silent"):
+        end(None, 0)
+    end(f"{_name}: lost contact with {_args.harness.names[rank]} (rank {rank}, {how}); "
+        "stopping", 1)
 
 
 # --------- The end --------------------
@@ -312,11 +317,36 @@ def _peak_memory_mb():
 
 
 def end(line, status):
-    """End this rank now, its --profile trace written first (3 s at most), with `line` on
-    stderr if any. os._exit: a normal exit would wait for torch's RPC threads, which wait for
-    peers that are gone."""
-    profiling.end(seconds=3.0)
+    """End this rank now, with `line` on stderr if any, and quiet after it: RPC's threads print
+    the errors of calls that meet a lost peer meanwhile. The connections to the peers close
+    first, so that they learn from them, not from a failed RPC, that this rank has gone; then
+    its --profile trace is written (3 s at most). os._exit: a normal exit would wait for torch's
+    RPC threads, which wait for peers that are gone."""
     sys.stdout.flush()
     if line:
-        print(line, file=sys.stderr, flush=True)
+        _say(line)
+    _quiet()
+    for sock in _peers.values():
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+    if _peers:
+        time.sleep(0.25)  # the peers read the closed connections while RPC's are still up
+    profiling.end(seconds=3.0)
+    sys.stdout.flush()
     os._exit(status)
+
+
+def _say(line):
+    """One line on this rank's stderr, even once it is quiet."""
+    if _stderr is None:
+        print(line, file=sys.stderr, flush=True)
+    else:
+        sys.stderr.flush()
+        os.write(_stderr, (line + "\n").encode())
+
+
+def _quiet():
+    """From now on, what this process writes to stderr goes nowhere."""
+    sys.stderr.flush()
+    with open(os.devnull, "w") as nowhere:
+        os.dup2(nowhere.fileno(), sys.stderr.fileno())

@@ -58,11 +58,13 @@ def _use(args):
 
 
 def _rendezvous(url, timeout=None, **kwargs):
-    """torch's rendezvous handler: yields (store, rank, world_size); the first call joins."""
+    """torch's rendezvous handler: yields (store, rank, world_size); the first call joins every
+    rank of the command line's world (ddp_rpc_hybrid's trainers call init_process_group, for a
+    group of the trainers alone, before init_rpc)."""
     query = dict(pair.split("=") for pair in url.partition("?")[2].split("&"))
     this_rank, world_size = int(query["rank"]), int(query["world_size"])
     if _store is None:
-        _join(this_rank, world_size)
+        _join(this_rank, _args.world_size)
     yield _store, this_rank, world_size
 
 

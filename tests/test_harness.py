@@ -210,7 +210,7 @@ def test_each_rank_gets_its_share_of_the_cores(monkeypatch, rank, addr, environ,
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     args = SimpleNamespace(world_size=3, rank=rank, master_addr=addr)
-    assert cli._thread_counts(args, lambda rank, world_size: rank == 0) == expected
+    assert cli._thread_counts(args, computing=[0]) == expected
 
 
 def test_a_python_without_the_harness_is_told_how_to_set_up():
