@@ -308,14 +308,14 @@ def make_parser(description):
         "--master_addr", "--master-addr",
         type=str,
         default=os.environ.get("MASTER_ADDR", "localhost"),
-        help="""Address of the agent (rank 0), where every rank meets: localhost (or
-        $MASTER_ADDR) if not provided; another address, on a trusted network only.""")
+        help="""Address of the agent (rank 0), where every rank meets ($MASTER_ADDR if
+        set); other than localhost, on a trusted network only.""")
     parser.add_argument(
         "--master_port", "--master-port",
         type=rpc_harness.port_number,
         default=os.environ.get("MASTER_PORT", "29500"),
-        help="""Port that the agent (rank 0) listens on, 29500 (or $MASTER_PORT) if not
-        provided.""")
+        help="""Port that the agent (rank 0) listens on, where every rank meets
+        ($MASTER_PORT if set).""")
     # Not in the tutorial, which trains until solved: a bound on the run.
     parser.add_argument("--max_episodes", "--max-episodes", type=rpc_harness.int_at_least(1),
                         default=2000, metavar="N", help="stop, unsolved, after this many episodes")

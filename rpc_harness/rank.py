@@ -47,6 +47,7 @@ _peers = {}  # rank -> its connection: rank 0's to each rank, the others' to ran
 _byes = {}  # rank -> the figures that it sent with its "bye"
 _byes_changed = threading.Condition()
 _lost = threading.Event()  # a peer is gone
+_ending = threading.Lock()  # held by the one thread that ends this rank
 _said_bye = threading.Event()  # this rank is done: connections that close now are expected
 _figures = {}  # this rank's figures for the summary (report())
 _stderr = None  # a copy of this rank's stderr, where its last line goes once the rank is quiet
@@ -223,7 +224,7 @@ def _peer_lost(rank, how):
     rank and the peer's process is gone, end at once without a word and with status 0: mp.spawn
     names the rank that went first, in one line, and a status of 0 keeps this rank from passing
     for it."""
-    if _lost.is_set():
+    if _lost.is_set() or _ending.locked():
         return
     _quiet()  # first: RPC's threads print the errors of the calls that met the peer
     _lost.set()
@@ -321,7 +322,10 @@ def end(line, status):
     the errors of calls that meet a lost peer meanwhile. The connections to the peers close
     first, so that they learn from them, not from a failed RPC, that this rank has gone; then
     its --profile trace is written (3 s at most). os._exit: a normal exit would wait for torch's
-    RPC threads, which wait for peers that are gone."""
+    RPC threads, which wait for peers that are gone. A second caller (another thread ending it
+    for another reason meanwhile) waits for the first to end the process."""
+    if not _ending.acquire(blocking=False):
+        threading.Event().wait()
     sys.stdout.flush()
     if line:
         _say(line)

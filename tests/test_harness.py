@@ -608,7 +608,9 @@ def test_a_waiting_rank_ends_at_once_on_ctrl_c_or_sigterm(runs):
         assert run.returncode == 128 + number, run.output
         suffix = "" if number == signal.SIGINT else " (SIGTERM)"
         assert run.stderr == f"{name}: interrupted{suffix}\n", run.stderr
-        assert not run.leftovers(grace=0)
+        # multiprocessing's resource tracker, which the spawn start method starts, ends as it
+        # reads the end of the command's pipe: a moment after the command
+        assert not run.leftovers(grace=3)
 
 
 @pytest.mark.slow

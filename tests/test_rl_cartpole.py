@@ -233,6 +233,23 @@ def test_hyphenated_flags_and_torchrun_environment(monkeypatch):
     assert (args.max_episodes, args.log_interval, args.torchrun) == (7, 2, True)
 
 
+def test_batch_py_has_the_command_line_of_main_py(monkeypatch, capsys):
+    """batch.py builds on main.py's parser: the same flags, ranks, names and checks."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    args = rl_batch.parse_args(["--world-size", "3", "--gamma", "0.5",
+                                "--master_port", str(find_free_port())])
+    assert (args.world_size, args.gamma, args.rank, args.log_interval) == (3, 0.5, None, 10)
+    assert args.harness.names == ["agent", "observer1", "observer2"]
+    assert args.harness.loops == [0]  # the agent's episodes, which --profile records
+    assert args.harness.threads == {0: 1, 1: 1, 2: 1}  # no rank computes heavily
+    assert args.harness.spawn_all and args.harness.summary is rl.write_summary
+    with pytest.raises(SystemExit) as exited:
+        rl_batch.parse_args(["--gamma", "2"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert "from 0 to 1" in err and len(err.strip().splitlines()) == 1
+
+
 def test_help_shows_every_default(capsys):
     with pytest.raises(SystemExit) as exited:
         rl.parse_args(["--help"])
@@ -336,10 +353,9 @@ def test_ranks_as_separate_commands_repeat_the_run(tutorial, runs):
         assert run.returncode == 0, run.output
         assert not run.leftovers()
     assert EPISODE_LINE.findall(agent.stdout) == EPISODE_LINE.findall(spawned.stdout)[:10]
-    assert re.fullmatch(r"Threads: observer1 1 \(on \d+ core\(s\); OMP_NUM_THREADS to change\)\n"
-                        r"observer1 \(rank 1 of 2\): waiting for the other ranks at "
+    assert re.fullmatch(r"observer1 \(rank 1 of 2\): waiting for the other ranks at "
                         r"localhost:\d+, up to 60 s\n"
-                        r"observer1: joined the other 1 rank\(s\)\n",
+                        r"observer1: joined the other 1 rank\(s\); 1 thread\b[^\n]*\n",
                         observer.stdout), observer.stdout
 
 
