@@ -288,3 +288,24 @@ def write_mnist(root, train_size=600, test_size=200, seed=0, compress=False):
         _write_idx(raw / f"{prefix}-images-idx3-ubyte", pixels, compress)
         _write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels.numpy(), compress)
     return Path(root)
+
+
+# --------- Which end-to-end runs the quick suite keeps --------------------
+
+# Fixtures that run an example end to end (module-scoped: several tests read one run). The quick
+# suite (pytest -m "not slow") keeps two of them: the parameter server's spawn-all run, profiled
+# (the harness's join, --profile's timeline, the summary), and pipelining.py's run (what torch
+# 2.4 lacks of its API). The others' tests are slow: each command costs seconds of CPU for its
+# torch import alone, and a rank that --rank names runs in a process of its own beside its
+# command's (the tutorial's mp.Process).
+END_TO_END_FIXTURES = {"tutorial", "batch", "batch_run", "finished", "spawn_all",
+                       "spawn_all_runs", "two_trainers", "pipelining_run", "profiled_run"}
+QUICK_RUNS = {("test_param_server", "two_trainers"), ("test_pipeline_parallel", "pipelining_run")}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        module = item.module.__name__
+        for name in item.fixturenames:
+            if name in END_TO_END_FIXTURES and (module, name) not in QUICK_RUNS:
+                item.add_marker(pytest.mark.slow)
