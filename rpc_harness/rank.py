@@ -245,9 +245,9 @@ def report(**figures):
 def at_the_end():
     """Run when the rank's function has returned or raised. Done (RPC shut down, no process
     group left): finish, and end the process at once (os._exit(0)): Python's and torch's
-    teardown of a rank took 1.3 s of a 2-rank run on 2 cores. Failed: if a peer is gone, or goes within two heartbeats, that is the
-    cause, and the watch ends the rank with its line; otherwise the failure is printed as
-    Python prints it."""
+    teardown of a rank took 1.3 s of a 2-rank run on 2 cores. Failed: if a peer is gone, or
+    goes within two heartbeats, that is the cause, and the watch ends the rank with its line;
+    otherwise the failure is printed as Python prints it."""
     if _args is None:
         return
     if not _rpc_running() and not dist.is_initialized():
