@@ -30,6 +30,10 @@ def excepthook(kind, value, traceback):
         _end("interrupted; stopped every rank" if _spawned_all() else None, 130)
     if isinstance(value, mp.ProcessExitedException):
         rank = value.error_index
+        if value.exit_code in (130, 143):  # a rank's own Ctrl-C or SIGTERM came first
+            _stop_ranks(wait_first=True)
+            suffix = "" if value.exit_code == 130 else " (SIGTERM)"
+            _end(f"interrupted{suffix}; stopped every rank", value.exit_code)
         if value.exit_code < 0:
             how = f"was killed by {signal.Signals(-value.exit_code).name}"
         else:
@@ -38,6 +42,9 @@ def excepthook(kind, value, traceback):
         _end(f"{_name(names, rank)} {how}; stopped the other ranks",
              2 if value.exit_code == 2 else 1)
     if isinstance(value, mp.ProcessRaisedException):
+        if str(value).strip().endswith("KeyboardInterrupt"):  # Ctrl-C before the rank joined
+            _stop_ranks(wait_first=True)
+            _end("interrupted; stopped every rank", 130)
         # The rank's own traceback, which mp.spawn carried here: an unexpected failure.
         print(str(value).strip(), file=sys.stderr)
         _stop_ranks(wait_first=False)
