@@ -34,7 +34,7 @@ except ModuleNotFoundError:
                      "`pip install -e PATH`, PATH being the repository's folder (the one that "
                      "holds pyproject.toml), or run `make run` there") from None
 
-from data import get_data_loaders
+from data import equal_share_batches, get_data_loaders
 from main import Net, check_args, get_accuracy, make_parser
 from main import write_summary as write_tutorial_summary
 
@@ -224,13 +224,6 @@ def worker_name(rank, world_size):
 def train(rank, world_size):
     """The ranks that compute (the trainers train their copies), which share the cores."""
     return rank != 0
-
-
-def equal_share_batches(train_loader, num_trainers, args):
-    """Batches per epoch for every trainer: the most that the smallest share holds (shares
-    differ by a sample at most), at most --max_batches."""
-    smallest_share = len(train_loader.dataset.dataset) // num_trainers
-    return min(-(-smallest_share // args.batch_size), args.max_batches or smallest_share)
 
 
 def write_summary(args, reports):

@@ -93,3 +93,10 @@ def get_data_loaders(rank, world_size, args):
                               generator=torch.Generator().manual_seed(args.seed + rank))
     test_loader = DataLoader(test_set, batch_size=args.batch_size, shuffle=False)
     return train_loader, test_loader
+
+
+def equal_share_batches(train_loader, num_trainers, args):
+    """Batches per epoch for every trainer: the most that the smallest share holds (shares
+    differ by a sample at most), at most --max_batches."""
+    smallest_share = len(train_loader.dataset.dataset) // num_trainers
+    return min(-(-smallest_share // args.batch_size), args.max_batches or smallest_share)

@@ -231,8 +231,10 @@ def get_accuracy(test_loader, model):
             correct_sum += correct
 
     print(f"Accuracy {correct_sum / len(test_loader.dataset)}")
-    # Not in the tutorial: the accuracy for the run's summary, which rank 0 writes at the end.
+    # Not in the tutorial: the accuracy for the run's summary, which rank 0 writes at the end
+    # (actors.py takes it from the return value).
     rpc_harness.report(accuracy=correct_sum / len(test_loader.dataset))
+    return correct_sum / len(test_loader.dataset)
 
 
 # Main loop for trainers.
@@ -318,9 +320,14 @@ def check_data(parser, args):
     synthetic digits read no folder."""
     if args.dataset != "mnist" or args.rank == 0:
         return
-    if not Path(args.data_dir).is_dir():
-        parser.error(f"--data_dir {args.data_dir}: no such folder")
-    problem = check_mnist(args.data_dir)
+    check_mnist_folder(parser, args.data_dir)
+
+
+def check_mnist_folder(parser, data_dir):
+    """MNIST in data_dir, or downloadable there: otherwise one line saying what is missing."""
+    if not Path(data_dir).is_dir():
+        parser.error(f"--data_dir {data_dir}: no such folder")
+    problem = check_mnist(data_dir)
     if problem:
         parser.error(problem)
 

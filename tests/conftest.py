@@ -299,7 +299,8 @@ def write_mnist(root, train_size=600, test_size=200, seed=0, compress=False):
 # torch import alone, and a rank that --rank names runs in a process of its own beside its
 # command's (the tutorial's mp.Process).
 END_TO_END_FIXTURES = {"tutorial", "batch", "batch_run", "finished", "spawn_all",
-                       "spawn_all_runs", "two_trainers", "pipelining_run", "profiled_run"}
+                       "spawn_all_runs", "two_trainers", "pipelining_run", "profiled_run",
+                       "monarch_run"}
 QUICK_RUNS = {("test_param_server", "two_trainers"), ("test_pipeline_parallel", "pipelining_run")}
 
 

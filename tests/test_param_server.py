@@ -20,6 +20,7 @@ from example_modules import example_modules
 ps = load_example("param_server")
 ps_data = load_example("param_server", "data")
 ps_batch = load_example("param_server", "batch")
+ps_actors = load_example("param_server", "actors")
 
 
 # --------- Pure logic, in-process --------------------
@@ -136,9 +137,9 @@ def test_every_trainer_trains_as_many_batches():
     loaders = [ps_data.get_data_loaders(rank, 8, args)[0] for rank in range(1, 8)]
     sizes = {len(loader.dataset) for loader in loaders}
     assert sizes == {857, 858}  # 6000 samples over 7 trainers
-    assert {ps_batch.equal_share_batches(loader, 7, args) for loader in loaders} == {27}
+    assert {ps_data.equal_share_batches(loader, 7, args) for loader in loaders} == {27}
     args.max_batches = 5
-    assert ps_batch.equal_share_batches(loaders[0], 7, args) == 5
+    assert ps_data.equal_share_batches(loaders[0], 7, args) == 5
 
 
 # --------- Command line, in-process --------------------
@@ -192,6 +193,25 @@ def test_bad_input_is_one_line_and_status_2(capsys, argv, expected):
 ])
 def test_batch_bad_input_is_one_line_and_status_2(capsys, argv, expected):
     assert expected in bad_input_message(capsys, ["--dataset", "synthetic", *argv], ps_batch)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--world_size", "1"], "must be at least 2"),
+    (["--batch_update_size", "3"], "more than the 2 trainer(s) of a world of 3"),
+    (["--call_timeout", "0"], "greater than 0"),
+    (["--rank", "1"], "unrecognized arguments: --rank 1"),  # Monarch starts every process
+    (["--dataset", "mnist", "--data_dir", "/nonexistent/mnist"], "no such folder"),
+])
+def test_actors_bad_input_is_one_line_and_status_2(capsys, argv, expected):
+    argv = ["--dataset", "synthetic", "--world_size", "3", *argv]
+    assert expected in bad_input_message(capsys, argv, ps_actors)
+
+
+def test_actors_take_batch_pys_learning_rate():
+    args = ps_actors.parse_args(["--dataset", "synthetic"])
+    assert (args.world_size, args.batch_update_size, args.lr) == (4, None, pytest.approx(0.09))
+    args = ps_actors.parse_args(["--dataset", "synthetic", "--batch_update_size", "1"])
+    assert args.lr == pytest.approx(0.03)
 
 
 def test_synthetic_digits_read_no_folder():
@@ -325,6 +345,43 @@ def test_batch_mode_learned(batch_run):
     assert min(summary["accuracy_per_trainer"].values()) >= 0.7, summary
     # One batch's loss at step 40: 0.47-0.78 in most runs (from 2.3), 1.75 in one slow run
     # that still passed the accuracy check.
+    for rank in (1, 2):
+        losses = logged_losses(run.stdout, rank)
+        assert len(losses) == 3 and losses[-1] < losses[0] * 0.8, losses
+
+
+@pytest.fixture(scope="module")
+def monarch_run(tmp_path_factory):
+    """batch.py's server and two trainers as Monarch actors (actors.py)."""
+    tmp = tmp_path_factory.mktemp("ps_monarch")
+    summary = tmp / "summary.json"
+    run = run_example("param_server", "--world_size", 3, "--dataset", "synthetic",
+                      "--max_batches", 60, "--log_interval", 20, "--summary_json", summary,
+                      timeout=240, log_dir=tmp, script="actors.py")
+    return run, json.loads(summary.read_text()) if summary.exists() else None
+
+
+def test_actors_train_every_trainer_in_step(monarch_run):
+    """The actors do what batch.py's ranks do: each model version saw one gradient from each
+    trainer, and every trainer trained as many batches."""
+    run, summary = monarch_run
+    assert run.returncode == 0, run.output
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert re.search(rf"^trainer2 trains its copy of the model on {device}, in process \d+$",
+                     run.stdout, re.M)
+    assert len(re.findall(r"^Accuracy 0\.\d+$", run.stdout, re.M)) == 2
+    assert summary["mode"] == "monarch" and summary["trainers"] == 2
+    assert summary["batches_per_trainer"] == {"trainer1": 60, "trainer2": 60}
+    assert summary["batch_update_size"] == 2 and summary["short_updates"] == 0
+    assert summary["model_versions"] * 2 == summary["gradients"] == 120
+    assert set(summary["peak_memory_mb"]) == {"parameter_server (controller)", "trainer1",
+                                              "trainer2"}
+
+
+def test_actors_learned(monarch_run):
+    run, summary = monarch_run
+    # batch.py's bounds (test_batch_mode_learned): the same training.
+    assert min(summary["accuracy_per_trainer"].values()) >= 0.7, summary
     for rank in (1, 2):
         losses = logged_losses(run.stdout, rank)
         assert len(losses) == 3 and losses[-1] < losses[0] * 0.8, losses

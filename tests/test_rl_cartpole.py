@@ -20,6 +20,7 @@ from torch.distributions import Categorical
 
 rl = load_example("rl_cartpole")
 rl_batch = load_example("rl_cartpole", "batch")
+rl_actors = load_example("rl_cartpole", "actors")
 
 
 # --------- Pure logic, in-process --------------------
@@ -370,3 +371,43 @@ def test_batched_agent_with_two_observers_learns(batch):
     rewards = episode_rewards(run.stdout)  # the shorter of the two episodes, each time
     assert learned(rewards, 1.3), rewards
     assert summary["env_steps"] >= 2 * sum(rewards)
+
+
+# --------- The same program as Monarch actors (actors.py) --------------------
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--world_size", "1"], "must be at least 2"),
+    (["--gamma", "1.5"], "must be from 0 to 1"),
+    (["--max_episodes", "0"], "must be at least 1"),
+    (["--call_timeout", "-1"], "greater than 0"),
+    (["--master_port", "29500"], "unrecognized arguments"),  # Monarch starts every process
+])
+def test_actors_bad_input_is_one_line_and_status_2(capsys, argv, expected):
+    with pytest.raises(SystemExit) as exited:
+        rl_actors.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and expected in err
+
+
+@pytest.fixture(scope="module")
+def monarch_run(tmp_path_factory):
+    """The agent and one observer as Monarch actors, as long as the tutorial's run."""
+    tmp = tmp_path_factory.mktemp("rl_monarch")
+    summary = tmp / "summary.json"
+    run = run_example("rl_cartpole", "--log_interval", 1, "--max_episodes", EPISODES,
+                      "--summary_json", summary, timeout=150, log_dir=tmp, script="actors.py")
+    return run, json.loads(summary.read_text()) if summary.exists() else None
+
+
+def test_actors_learn_as_main_py_does(monarch_run):
+    run, summary = monarch_run
+    assert run.returncode == 0, run.output
+    assert f"Stopped after {EPISODES} episodes (--max_episodes), unsolved" in run.stdout
+    rewards = episode_rewards(run.stdout)
+    assert len(rewards) == EPISODES
+    assert learned(rewards, 1.5), rewards  # the bound of main.py's run (test_spawn_all_learned)
+    assert summary["mode"] == "monarch" and summary["observers"] == 1
+    assert summary["env_steps"] == sum(rewards) and summary["steps_per_second"] > 0
+    assert set(summary["peak_memory_mb"]) == {"agent (controller)", "observer1"}
+

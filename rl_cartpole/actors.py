@@ -1,0 +1,198 @@
+"""The agent and its observers of main.py as Monarch actors: the same Policy, gamma, seeds,
+episode cap and "Solved!" rule, on what PyTorch offers today beside RPC.
+
+Monarch (PyPI: torchmonarch) is a single-controller framework: this command is the controller.
+It starts the observers' processes itself, with an observer actor in each (a mesh of them), and
+puts the agent in its own process, beside the loop that drives training. One call to the
+observers' mesh starts every episode, where main.py loops over rpc_async futures; each observer
+asks the agent for every action and reports every reward, as in main.py.
+
+    python actors.py                                # an agent and 1 observer
+    python actors.py --world_size 5                 # an agent and 4 observers
+"""
+
+import sys
+import time
+from itertools import count
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.optim as optim
+
+try:
+    from rpc_harness import monarch_runs
+except ModuleNotFoundError:
+    raise SystemExit("rpc_harness, this project's package, is missing: install it with "
+                     "`pip install -e PATH`, PATH being the repository's folder (the one that "
+                     "holds pyproject.toml), or run `make run` there") from None
+
+# Monarch's own names. monarch_runs.import_monarch() says in one line what is missing (status
+# 2) where torchmonarch is not installed.
+monarch = monarch_runs.import_monarch()
+from monarch.actor import Actor, current_rank, endpoint, this_host, this_proc  # noqa: E402
+
+import main as tutorial  # noqa: E402
+from main import TOTAL_EPISODE_STEP, Policy  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+class Observer(Actor):
+
+    def __init__(self, seed, call_timeout):
+        # current_rank(): this actor's place in the observers' mesh, 0..; main.py's observers
+        # are ranks 1.., and their ids seed their environments.
+        self.id = current_rank().rank + 1
+        self.env = gym.make('CartPole-v1')
+        # Gymnasium seeds through the first reset; seed + id, so that observers differ.
+        self.seed = seed + self.id
+        self.call_timeout = call_timeout
+
+    def get(self, answer):
+        """The agent's answer; --call_timeout bounds the wait (monarch_runs.get)."""
+        return monarch_runs.get(answer, self.call_timeout, "the agent")
+
+    @endpoint
+    def run_episode(self, agent, n_steps):
+        state, _ = self.env.reset(seed=self.seed)
+        self.seed = None  # later resets go on from the seeded generator
+        for _ in range(n_steps):
+            # ask the agent for an action for this state
+            action = self.get(agent.select_action.call_one(self.id, state))
+
+            # take it in the environment, and get the reward
+            state, reward, terminated, truncated, _ = self.env.step(action)
+
+            # give the agent the reward, to train on
+            self.get(agent.report_reward.call_one(self.id, reward))
+
+            if terminated or truncated:
+                break
+
+    @endpoint
+    def peak_memory_mb(self):
+        return monarch_runs.peak_memory_mb()
+
+
+class Agent(Actor):
+    """main.py's Agent, with its select_action, report_reward and finish_episode as endpoints;
+    only its construction differs: no RRefs, the observers are the controller's mesh."""
+
+    def __init__(self, num_observers, args):
+        torch.manual_seed(args.seed)  # the initial policy, as main.py's agent
+        self.rewards = {}
+        self.saved_log_probs = {}
+        self.policy = Policy()
+        self.optimizer = optim.Adam(self.policy.parameters(), lr=1e-2)
+        self.eps = np.finfo(np.float32).eps.item()
+        self.running_reward = 0
+        self.reward_threshold = gym.make('CartPole-v1').spec.reward_threshold
+        self.gamma = args.gamma
+        self.env_steps = 0
+        for ob_id in range(1, num_observers + 1):
+            self.rewards[ob_id] = []
+            self.saved_log_probs[ob_id] = []
+
+    # main.py's methods, unchanged, as endpoints: an actor handles one message at a time, as
+    # main.py's agent handles its RPCs (it takes no lock either).
+    select_action = endpoint(tutorial.Agent.select_action)
+    report_reward = endpoint(tutorial.Agent.report_reward)
+
+    @endpoint
+    def finish_episode(self):
+        """main.py's finish_episode; the controller also gets the running reward."""
+        last_reward = tutorial.Agent.finish_episode(self)
+        return last_reward, self.running_reward, self.reward_threshold
+
+    @endpoint
+    def figures(self):
+        return {"env_steps": self.env_steps, "running_reward": self.running_reward,
+                "solved": self.running_reward > self.reward_threshold}
+
+
+def setup_process():
+    """Runs first in every observer's process (spawn_procs' bootstrap): main.py importable there
+    too (a child process starts in this command's working folder), and one thread (a policy this
+    small gains nothing from more, as in main.py)."""
+    sys.path.insert(0, str(HERE))
+    torch.set_num_threads(1)
+
+
+def main(args):
+    num_observers = args.world_size - 1
+    torch.set_num_threads(1)  # the agent, in this process, as setup_process() does for observers
+    observer_procs = this_host().spawn_procs(per_host={"procs": num_observers},
+                                             bootstrap=setup_process)
+    observers = observer_procs.spawn("observer", Observer, args.seed, args.call_timeout)
+    # this_proc(): the agent lives in this process, the controller's, as rank 0 in main.py.
+    agent = this_proc().spawn("agent", Agent, num_observers, args)
+    timeout = args.call_timeout
+    started = time.perf_counter()
+    for i_episode in count(1):
+        # One call to the observers' mesh runs an episode on each; get() waits for all of them.
+        episodes = observers.run_episode.call(agent, TOTAL_EPISODE_STEP)
+        # The first episode waits for the observers' processes to start, too.
+        first = args.init_timeout if i_episode == 1 else 0
+        monarch_runs.get(episodes, first + timeout, "the observers")
+        finished = agent.finish_episode.call_one()
+        last_reward, running_reward, reward_threshold = monarch_runs.get(finished, timeout,
+                                                                         "the agent")
+
+        if i_episode % args.log_interval == 0:
+            print('Episode {}\tLast reward: {:.2f}\tAverage reward: {:.2f}'.format(
+                  i_episode, last_reward, running_reward))
+
+        if running_reward > reward_threshold:
+            print("Solved! Running reward is now {}!".format(running_reward))
+            break
+        if i_episode == args.max_episodes:
+            print(f"Stopped after {i_episode} episodes (--max_episodes), unsolved")
+            break
+    seconds = time.perf_counter() - started
+    figures = monarch_runs.get(agent.figures.call_one(), timeout, "the agent")
+    memory = {"agent (controller)": monarch_runs.peak_memory_mb()}
+    observer_memory = monarch_runs.get(observers.peak_memory_mb.call(), timeout, "the observers")
+    for point, megabytes in observer_memory.items():
+        memory[f"observer{point.rank + 1}"] = megabytes
+    steps_per_second = figures["env_steps"] / seconds
+    summary = {"example": "rl_cartpole", "mode": "monarch", "episodes": i_episode,
+               "last_reward": last_reward, **figures, "training_seconds": round(seconds, 3),
+               "observers": num_observers, "seed": args.seed, "gamma": args.gamma,
+               "steps_per_second": round(steps_per_second, 1)}
+    line = (f"{i_episode} episodes, {'solved' if figures['solved'] else 'not solved'}, "
+            f"running reward {running_reward:.2f}, {figures['env_steps']} environment steps at "
+            f"{steps_per_second:.1f} steps/s")
+    monarch_runs.write_summary(args, summary, line, memory)
+    monarch_runs.get(observer_procs.stop(), timeout, "the observers' processes")
+
+
+def parse_args(argv=None):
+    """main.py's flags that apply (no rank, address or port: this command starts every
+    process); this project's --seed and --summary_json; Monarch's bound on waiting. Bad input
+    ends the command here in one line (status 2)."""
+    parser = monarch_runs.ArgumentParser(
+        description="main.py's agent and observers as Monarch actors: this command, the "
+                    "controller, holds the agent and starts an observer actor in each of the "
+                    "other processes.")
+    parser.add_argument('--world_size', '--world-size', default=2,
+                        type=monarch_runs.int_at_least(2), metavar='N',
+                        help='processes: the agent (this command) and the observers')
+    parser.add_argument('--log_interval', '--log-interval', default=10,
+                        type=monarch_runs.int_at_least(1), metavar='N',
+                        help='Log every log_interval episodes')
+    parser.add_argument('--gamma', default=0.99, type=monarch_runs.unit_interval, metavar='G',
+                        help='how much to value future rewards')
+    parser.add_argument("--max_episodes", "--max-episodes", type=monarch_runs.int_at_least(1),
+                        default=2000, metavar="N", help="stop, unsolved, after this many episodes")
+    monarch_runs.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    # Not in Monarch's examples: a failed or killed actor process, or Ctrl-C, end this command
+    # and every process it started, in one line (README.md: "What the harness changes").
+    with monarch_runs.one_line_on_failure(role="observer"):
+        main(args)

@@ -1,0 +1,180 @@
+"""What the Monarch programs share (param_server/actors.py, rl_cartpole/actors.py): their
+command line, the import of Monarch, how a run ends in one line when an actor's process fails
+or on Ctrl-C, the threads of each process, and the summary.
+
+Imported by the Monarch programs only (`from rpc_harness import monarch_runs`); importing it
+changes nothing in the process: each change comes with the call that makes it (the README's
+table lists them)."""
+
+import contextlib
+import json
+import os
+import re
+import resource
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .cli import CORES, ArgumentParser, int_at_least, positive_float, unit_interval
+
+__all__ = ["ArgumentParser", "int_at_least", "positive_float", "unit_interval",
+           "import_monarch", "get", "add_arguments", "threads_each", "peak_memory_mb",
+           "write_summary", "one_line_on_failure"]
+
+# The summary's seconds count from here, as the program imports this module (after torch).
+STARTED = time.time()
+
+
+def import_monarch():
+    """Monarch's package, or, where it is not installed, one line saying how to install it
+    (status 2, before anything starts). Sets how often Monarch's controller checks on the
+    processes it started (SUPERVISION_POLL) unless the environment says otherwise."""
+    # Set before Monarch loads its configuration.
+    os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", SUPERVISION_POLL)
+    try:
+        import monarch.actor
+    except ModuleNotFoundError as err:
+        if err.name is None or not err.name.startswith("monarch"):
+            raise
+        print(f"{Path(sys.argv[0]).name}: error: Monarch is missing: `pip install "
+              "torchmonarch` (Linux, Python 3.10 or newer), or `make run` in the repository's "
+              "folder", file=sys.stderr)
+        sys.exit(2)
+    return monarch
+
+
+def get(future, timeout, what):
+    """future.get(timeout), or TimeoutError saying whose answer did not come: every wait of
+    the Monarch programs is bounded by --call_timeout."""
+    try:
+        return future.get(timeout=timeout)
+    except TimeoutError:
+        raise TimeoutError(f"no answer from {what} within {timeout:g} s "
+                           "(--call_timeout)") from None
+
+
+def add_arguments(parser):
+    """The flags of every example that apply to a Monarch program (--seed, --summary_json),
+    and the bound on every wait."""
+    parser.add_argument("--seed", type=int_at_least(0), default=1, metavar="N",
+                        help="seed of the model's initial weights, the data and the episodes")
+    parser.add_argument("--summary_json", "--summary-json", default=None, metavar="PATH",
+                        help="write the run's figures to this JSON file at the end")
+    parser.add_argument("--init_timeout", "--init-timeout", type=positive_float, default=60.0,
+                        metavar="SECONDS",
+                        help="longest wait for the actors' processes to start")
+    parser.add_argument("--call_timeout", "--call-timeout", type=positive_float, default=60.0,
+                        metavar="SECONDS",
+                        help="longest wait for any one answer of an actor")
+
+
+def threads_each(computing):
+    """Intra-op threads for each of `computing` processes that share this machine's cores:
+    OMP_NUM_THREADS if set, else their share (at least one)."""
+    fixed = os.environ.get("OMP_NUM_THREADS")
+    if fixed:
+        return int(fixed)
+    return max(1, CORES // computing)
+
+
+def peak_memory_mb():
+    """This process's most resident memory so far, in MB (ru_maxrss: kB on Linux)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def write_summary(args, summary, line, memory):
+    """Print the summary line and write --summary_json, as the RPC programs do: the run's
+    figures, each process's peak memory (MB) and the wall seconds since the start."""
+    summary["peak_memory_mb"] = memory
+    summary["wall_seconds"] = round(time.time() - STARTED, 3)
+    print(f"Summary: {line}; {summary['wall_seconds']:.1f} s in all")
+    if args.summary_json:
+        Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+# --------- Failures and Ctrl-C --------------------
+
+# How often Monarch's controller asks whether the processes it started are alive. Monarch's
+# default, 10 s, leaves a run that lost a process waiting that long; 500 ms ends it within 2 s.
+SUPERVISION_POLL = "500ms"
+
+
+def _describe(failure, role):
+    """One line from a MeshFailure, whose text is all it offers: which process (its rank in the
+    mesh of `role` processes, from 1, as the RPC programs number their ranks) and why (killed
+    by a signal, an exit status, or the last line of the error). Every mesh on those processes
+    reports their failure (Monarch's own, for their logs and set-up, too), by the same rank."""
+    text = repr(failure)
+    ranks = re.search(r"crashed_ranks=\[(\d+)", text)
+    who = f"{role}{int(ranks.group(1)) + 1}" if ranks else f"a process of the {role}s"
+    killed = re.search(r"Killed\(sig=(\d+)\)", text)
+    exited = re.search(r"exited with non-zero code (-?\d+)", text)
+    if killed:
+        return f"{who} was killed by {signal.Signals(int(killed.group(1))).name}"
+    if exited:
+        return f"{who} exited with status {exited.group(1)}"
+    return f"{who} failed: {failure.report().strip().splitlines()[-1].strip()}"
+
+
+@contextlib.contextmanager
+def one_line_on_failure(role):
+    """Run the program's body so that an expected failure ends the command in one line:
+
+    - an actor's process killed or failed (Monarch's supervision reports it to the controller,
+      through monarch.actor.unhandled_fault_hook, Monarch's hook for it): "trainer2 was killed
+      by SIGKILL; stopped every process", status 1. `role` names what the processes that the
+      controller started are ("trainer"); they are numbered from 1, as the RPC programs'
+      ranks.
+    - no answer within --call_timeout (a hung process, stopped with SIGSTOP say): one line,
+      status 1.
+    - Ctrl-C: "interrupted", status 130.
+
+    Monarch ends every process the command started when the command ends, however it ends (its
+    processes die with their parent: PR_SET_PDEATHSIG). An error raised in an endpoint is not
+    expected: it is printed whole, with the actor's traceback, status 1."""
+    import monarch.actor
+
+    def on_fault(failure):
+        # Runs on a Monarch thread; it must not raise (Monarch would print its own report).
+        try:
+            line = _describe(failure, role)
+        except Exception as err:  # noqa: BLE001 - the line, whatever the failure's text
+            line = f"a process failed ({err})"
+        _fault.set()
+        _end(f"{line}; stopped every process", 1)
+
+    monarch.actor.unhandled_fault_hook = on_fault
+    try:
+        yield
+    except KeyboardInterrupt:
+        _end("interrupted", 130)
+    except TimeoutError as err:
+        _end(f"{err}; stopped every process", 1)
+    except monarch.actor.ActorError as err:  # raised in an endpoint, which goes on serving
+        if not isinstance(err.exception, TimeoutError):
+            raise
+        _end(f"{err.message} {err.exception}; stopped every process", 1)
+    except Exception:
+        # A call to an actor whose process failed raises here (Monarch's SupervisionError) as
+        # the same failure reaches on_fault, which names the process: its line, if it comes
+        # within 2 s. Otherwise the error is not one of those expected: printed whole.
+        if _fault.wait(timeout=2):
+            _ending.acquire()  # on_fault is ending the process
+        raise
+
+
+# Set by on_fault, the hook that Monarch calls when a process it started fails.
+_fault = threading.Event()
+# The first to end the run says why; another cause found meanwhile waits, and is never printed.
+_ending = threading.Lock()
+
+
+def _end(line, status):
+    """Print the run's last line and end this process with `status` at once; Monarch's
+    processes die with it. Whichever thread comes first; a second waits for the end."""
+    _ending.acquire()
+    sys.stdout.flush()  # what the program printed so far, which os._exit would drop
+    print(line, file=sys.stderr, flush=True)
+    os._exit(status)
