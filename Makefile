@@ -52,9 +52,13 @@ run: $(VENV)/.run-installed
 	  $(PY) param_server/main.py --dataset synthetic $(PS_TOUR); }
 	@echo "== param_server/batch.py: the batch-updating server of the batch RPC tutorial, 3 trainers"
 	@$(PY) param_server/batch.py --dataset synthetic $(PS_TOUR)
+	@echo "== param_server/actors.py: batch.py's server and 3 trainers as Monarch actors"
+	@$(PY) param_server/actors.py --dataset synthetic $(PS_TOUR)
 	@echo "== rl_cartpole: an agent and 1 observer, then batch.py: 2 observers, batched actions"
 	@$(PY) rl_cartpole/main.py --max_episodes 30 --log_interval 10
 	@$(PY) rl_cartpole/batch.py --world_size 3 --max_episodes 20 --log_interval 10
+	@echo "== rl_cartpole/actors.py: the agent and 2 observers as Monarch actors"
+	@$(PY) rl_cartpole/actors.py --world_size 3 --max_episodes 20 --log_interval 10
 	@echo "== rnn_model_parallel: embedding table and decoder on ps, LSTM on the trainer"
 	@$(PY) rnn_model_parallel/main.py --epochs 5
 	@echo "== rnn_model_parallel: the same model as a word-level language model on a text"

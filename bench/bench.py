@@ -37,6 +37,7 @@ TICKS = os.sysconf("SC_CLK_TCK")
 CORES = len(os.sched_getaffinity(0))
 RESULTS, CHART = BENCH / f"RESULTS-{CORES}-cores.md", BENCH / f"ratios-{CORES}-cores.png"
 PIPELINES = BENCH / f"PIPELINES-{CORES}-cores.md"
+MONARCH_RESULTS = BENCH / f"MONARCH-{CORES}-cores.md"
 # Every run here on the CPU, GPUs hidden: the examples and baselines would pick CUDA on their
 # own, and the comparisons are of CPUs.
 CPU_ONLY = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -130,6 +131,11 @@ def example(name, *flags, script="main.py"):
             "{summary}", *flags]
 
 
+def monarch_example(name, *flags):
+    """The example's Monarch program (actors.py), which meets at no port."""
+    return [PY, ROOT / name / "actors.py", "--summary_json", "{summary}", *flags]
+
+
 # --------- Comparisons --------------------
 
 @dataclass
@@ -202,6 +208,11 @@ BEFORE_PROFILE = "1 trainer, before --profile (no profile_step() in the loop)"
 ALL_CORES = {"OMP_NUM_THREADS": str(CORES)}
 ONE_ALL_CORES = f"1 trainer, every rank {CORES} threads (one environment for all)"
 THREE_ALL_CORES = f"3 trainers, every rank {CORES} threads (one environment for all)"
+# The Monarch programs (actors.py), beside the RPC ones.
+MONARCH = "Monarch (actors.py)"
+ONE_BATCH = "1 trainer, batch.py"
+ONE_MONARCH = f"1 trainer, {MONARCH}"
+THREE_MONARCH = f"3 trainers, {MONARCH}"
 
 
 def comparisons(quick, folder):
@@ -241,6 +252,14 @@ def comparisons(quick, folder):
                     example("param_server", "--world_size", 4, "--dataset", "synthetic",
                             "--max_batches", ps_batches(quick) // 3, script="batch.py"), samples,
                     (r"training batch 0 loss", r"^Training complete!")),
+            Variant(ONE_BATCH, example("param_server", *one_trainer, script="batch.py"),
+                    samples, ps_window),
+            Variant(ONE_MONARCH, monarch_example("param_server", *one_trainer), samples,
+                    ps_window),
+            Variant(THREE_MONARCH,
+                    monarch_example("param_server", "--world_size", 4, "--dataset", "synthetic",
+                                    "--max_batches", ps_batches(quick) // 3), samples,
+                    ps_window),
         ]),
         Comparison("rl_cartpole_1", "rl_cartpole, 1 observer: environment steps", "steps/s", [
             Variant("one process, 1 environment"),
@@ -248,6 +267,8 @@ def comparisons(quick, folder):
                     steps, rl_window),
             Variant("batch.py", example("rl_cartpole", "--max_episodes", rl_episodes,
                                         script="batch.py"), steps, rl_window),
+            Variant(MONARCH, monarch_example("rl_cartpole", "--max_episodes", rl_episodes),
+                    steps, rl_window),
         ]),
         Comparison("rl_cartpole_4", "rl_cartpole, 4 observers: environment steps", "steps/s", [
             Variant("one process, 4 environments"),
@@ -257,6 +278,9 @@ def comparisons(quick, folder):
             Variant("batch.py",
                     example("rl_cartpole", "--world_size", 5, "--max_episodes", rl_episodes_4,
                             script="batch.py"), steps, rl_window),
+            Variant(MONARCH,
+                    monarch_example("rl_cartpole", "--world_size", 5, "--max_episodes",
+                                    rl_episodes_4), steps, rl_window),
         ]),
         Comparison("rnn_model_parallel", "rnn_model_parallel: iterations", "it/s", [
             Variant("one process"),
@@ -353,12 +377,19 @@ def measure_threads(repeats, quick):
 
 
 def rpc_roundtrip(repeats):
+    """{payload: {"rpc": [...], "tcp": [...], "monarch": [...]}}: seconds a round trip, one
+    figure a repetition, from rpc_roundtrip.py and monarch_roundtrip.py."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "roundtrip.json"
         subprocess.run([PY, BENCH / "rpc_roundtrip.py", "--repeats", str(repeats), "--port",
                         str(free_port()), "--tcp_port", str(free_port()), "--out", str(out)],
                        env=CPU_ONLY, check=True, capture_output=True, timeout=600)
-        return json.loads(out.read_text())
+        results = json.loads(out.read_text())
+        subprocess.run([PY, BENCH / "monarch_roundtrip.py", "--repeats", str(repeats), "--out",
+                        str(out)], env=CPU_ONLY, check=True, capture_output=True, timeout=600)
+        for size, times in json.loads(out.read_text()).items():
+            results[size].update(times)
+        return results
 
 
 # (label, script, flags, runs): the default command several times, as runs of one seed drift
@@ -470,6 +501,8 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
     for size, times in roundtrip.items():
         tcp, rpc = statistics.median(times["tcp"]), statistics.median(times["rpc"])
         lines.append(f"| {size} | {tcp * 1e3:.3f} ms | {rpc * 1e3:.3f} ms | {rpc / tcp:.1f} |")
+    lines += ["", "Monarch beside RPC (the actor programs, their round trip, their memory): "
+              f"[{MONARCH_RESULTS.name}]({MONARCH_RESULTS.name})."]
     if suite_seconds is not None:
         seconds, failed = suite_seconds
         lines += ["", f"Test suite, `pytest -m 'not slow'`: {seconds:.0f} s wall"
@@ -605,6 +638,104 @@ def measure_pipelines(repeats, quick):
     print(PIPELINES.read_text())
 
 
+# --------- Monarch beside RPC --------------------
+
+# (comparison, variants, the RPC programs' counterparts): what MONARCH-<cores>-cores.md shows.
+MONARCH_TABLES = [
+    ("param_server", ("one process", "1 trainer", ONE_BATCH, ONE_MONARCH)),
+    ("param_server", ("one process", "3 trainers", "3 trainers, batch.py", THREE_MONARCH)),
+    ("rl_cartpole_1", ("one process, 1 environment", "tutorial mode", "batch.py", MONARCH)),
+    ("rl_cartpole_4", ("one process, 4 environments", "tutorial mode", "batch.py", MONARCH)),
+]
+
+
+def monarch_comparisons(quick, folder):
+    """The comparisons that MONARCH_TABLES shows, with only its variants (--monarch)."""
+    keep = {(key, label) for key, labels in MONARCH_TABLES for label in labels}
+    chosen = []
+    for comparison in comparisons(quick, folder):
+        comparison.variants = [v for v in comparison.variants
+                               if (comparison.key, v.label) in keep]
+        if comparison.variants:
+            chosen.append(comparison)
+    return chosen
+
+
+def memory_of(variant):
+    """"name MB, name MB, ...; in all MB": the median peak resident memory of each process
+    over the runs, and their sum."""
+    by_process = {}
+    for run in variant.memory:
+        for process, memory in run.items():
+            by_process.setdefault(process, []).append(memory["rss"])
+    medians = {process: statistics.median(values) for process, values in by_process.items()}
+    shown = ", ".join(f"{process} {megabytes:.0f}" for process, megabytes in medians.items())
+    return f"{shown}; in all {sum(medians.values()):.0f}"
+
+
+def write_monarch(all_comparisons, roundtrip, repeats, seconds, quick):
+    """MONARCH-<cores>-cores.md: the Monarch programs beside the RPC ones, from one run."""
+    by_key = {comparison.key: comparison for comparison in all_comparisons}
+    command = "python bench/bench.py --monarch" if quick is None else (
+        f"make bench{' QUICK=1' if quick else ''}")
+    lines = ["# Monarch actors beside RPC", "",
+             f"Written by `{command}` on {time.strftime('%Y-%m-%d')}: {repeats} repetition(s), "
+             f"the variants in turn, {seconds:.0f} s in all. Machine: {machine()}. torchmonarch "
+             f"{_version('torchmonarch')}.", "",
+             "Each rate is the median of the repetitions (min-max); the ratio is to the same "
+             "work in one process. Peak memory: resident, of each process (MB, medians); the "
+             "RPC programs' command, which only starts and waits for the ranks, is not counted; "
+             "the Monarch programs' controller is, as it holds the parameter server or the "
+             "agent.", ""]
+    for key, labels in MONARCH_TABLES:
+        comparison = by_key[key]
+        title = comparison.title if key != "param_server" else (
+            f"param_server, {labels[1]}: training throughput")
+        lines += [f"## {title}", "",
+                  f"| Program | {comparison.unit} | Ratio to one process | Peak memory, MB |",
+                  "|---|---|---|---|"]
+        base = comparison.find(labels[0]).median
+        for label in labels:
+            variant = comparison.find(label)
+            memory = memory_of(variant) if variant.memory else ""
+            lines.append(f"| {label} | {variant.median:.0f} ({min(variant.values):.0f}-"
+                         f"{max(variant.values):.0f}) | {variant.median / base:.2f} | {memory} |")
+        lines.append("")
+    lines += ["## Round trip", "",
+              "A tensor sent to another process and returned: `rpc_sync` of a function that "
+              "returns its argument (bench/rpc_roundtrip.py), an endpoint of a Monarch actor "
+              "that does the same, called with `call_one(...).get()` (bench/monarch_roundtrip.py)"
+              ", and a ping-pong of the same bytes over a TCP connection (the floor):", "",
+              "| Payload | TCP ping-pong | `rpc_sync` | Monarch `call_one` | RPC / TCP | "
+              "Monarch / TCP |", "|---|---|---|---|---|---|"]
+    for size, times in roundtrip.items():
+        tcp = statistics.median(times["tcp"])
+        rpc = statistics.median(times["rpc"])
+        monarch = statistics.median(times["monarch"])
+        lines.append(f"| {size} | {tcp * 1e3:.3f} ms | {rpc * 1e3:.3f} ms | "
+                     f"{monarch * 1e3:.3f} ms | {rpc / tcp:.1f} | {monarch / tcp:.1f} |")
+    MONARCH_RESULTS.write_text("\n".join(lines) + "\n")
+
+
+def _version(package):
+    from importlib.metadata import version
+
+    return version(package)
+
+
+def measure_monarch(repeats, quick):
+    """--monarch: only the comparisons of the Monarch programs with the RPC ones, and the round
+    trips: MONARCH-<cores>-cores.md."""
+    started = time.perf_counter()
+    print("== round trips", flush=True)
+    roundtrip = rpc_roundtrip(repeats=3 if quick else 5)
+    with tempfile.TemporaryDirectory() as folder:
+        chosen = monarch_comparisons(quick, folder)
+        measure(chosen, repeats, quick)
+    write_monarch(chosen, roundtrip, repeats, time.perf_counter() - started, None)
+    print(MONARCH_RESULTS.read_text())
+
+
 def write_solves(solves):
     lines = ["# Solving CartPole", "",
              f"Written by `make bench SOLVE=1` on {time.strftime('%Y-%m-%d')}. Machine: "
@@ -650,6 +781,9 @@ def main():
     parser.add_argument("--threads", action="store_true",
                         help="only param_server with each rank's share of the cores against "
                              "every rank with every core: bench/THREADS-<cores>-cores.md")
+    parser.add_argument("--monarch", action="store_true",
+                        help="only the Monarch programs beside the RPC ones, and the round "
+                             "trips: bench/MONARCH-<cores>-cores.md")
     parser.add_argument("--repeats", type=int, default=None,
                         help="repetitions (default: 3; 1 with --quick)")
     parser.add_argument("--solve", action="store_true",
@@ -665,6 +799,8 @@ def main():
         return measure_pipelines(repeats, args.quick)
     if args.threads:
         return measure_threads(repeats, args.quick)
+    if args.monarch:
+        return measure_monarch(repeats, args.quick)
     started = time.perf_counter()
     print("== RPC round trip", flush=True)
     roundtrip = rpc_roundtrip(repeats=3 if args.quick else 5)
@@ -675,8 +811,9 @@ def main():
     if not args.quick:
         print("== the test suite", flush=True)
         suite = test_suite_seconds()
-    write_results(all_comparisons, roundtrip, suite, repeats, time.perf_counter() - started,
-                  args.quick)
+    seconds = time.perf_counter() - started
+    write_results(all_comparisons, roundtrip, suite, repeats, seconds, args.quick)
+    write_monarch(all_comparisons, roundtrip, repeats, seconds, args.quick)
     write_chart(all_comparisons)
     print(RESULTS.read_text())
 

@@ -44,7 +44,12 @@ def _tcp_echo_server(listener):
             conn.sendall(_recv_exactly(conn, size))
 
 
-def _time_per_call(call, calls):
+def calls_for(size):
+    """Round trips a measurement makes: about the same bytes in all, 3 to 500 calls."""
+    return max(3, min(500, (20 * 1024 * 1024) // size))
+
+
+def time_per_call(call, calls):
     call()  # warm up
     started = time.perf_counter()
     for _ in range(calls):
@@ -67,7 +72,7 @@ def worker(rank, args, port, tcp_port, result_path):
         for label, size in SIZES.items():
             tensor = torch.randint(0, 255, (size,), dtype=torch.uint8)
             payload = size.to_bytes(8, "little") + tensor.numpy().tobytes()
-            calls = max(3, min(500, (20 * 1024 * 1024) // size))  # about the same bytes each
+            calls = calls_for(size)
 
             def over_rpc(tensor=tensor):
                 rpc.rpc_sync("w1", echo, args=(tensor,))
@@ -78,8 +83,8 @@ def worker(rank, args, port, tcp_port, result_path):
 
             results[label] = {"rpc": [], "tcp": []}
             for _ in range(args.repeats):  # alternate, so that noise hits both alike
-                results[label]["rpc"].append(_time_per_call(over_rpc, calls))
-                results[label]["tcp"].append(_time_per_call(over_tcp, calls))
+                results[label]["rpc"].append(time_per_call(over_rpc, calls))
+                results[label]["tcp"].append(time_per_call(over_tcp, calls))
         tcp.sendall((0).to_bytes(8, "little"))
         with open(result_path, "w") as out:
             json.dump(results, out)

@@ -165,7 +165,8 @@ class Trainer(Actor):
             m.load_state_dict(self.get(self.ps.update_and_fetch_model.call_one(grads)))
         train_seconds = time.perf_counter() - started
         self.get(self.ps.trainer_done.call_one())
-        print(f"{name}: training complete, getting accuracy", flush=True)
+        print("Training complete!", flush=True)
+        print("Getting accuracy....", flush=True)
         accuracy = get_accuracy(self.test_loader, m.cpu())
         return {"accuracy": accuracy, "batches": i + 1, "train_seconds": round(train_seconds, 3),
                 "peak_memory_mb": monarch_runs.peak_memory_mb()}

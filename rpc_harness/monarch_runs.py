@@ -80,8 +80,9 @@ def threads_each(computing):
 
 
 def peak_memory_mb():
-    """This process's most resident memory so far, in MB (ru_maxrss: kB on Linux)."""
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    """This process's most resident memory so far, in MB (ru_maxrss: kB on Linux), as the RPC
+    programs report theirs: {"rss": MB}."""
+    return {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}
 
 
 def write_summary(args, summary, line, memory):

@@ -45,6 +45,19 @@ def test_param_server_batch_trainers_train_on_the_gpu(tmp_path):
     assert min(summary["accuracy_per_trainer"].values()) >= 0.7, summary
 
 
+def test_param_server_monarch_trainers_train_on_the_gpu(tmp_path):
+    summary = tmp_path / "summary.json"
+    finished = run_example("param_server", "--world_size", 3, "--dataset", "synthetic",
+                           "--max_batches", 60, "--log_interval", 20, "--summary_json", summary,
+                           timeout=240, script="actors.py")
+    assert finished.returncode == 0, finished.output
+    for trainer in ("trainer1", "trainer2"):
+        assert f"{trainer} trains its copy of the model on cuda:0" in finished.stdout
+    summary = json.loads(summary.read_text())
+    assert summary["short_updates"] == 0
+    assert min(summary["accuracy_per_trainer"].values()) >= 0.7, summary
+
+
 def test_rl_cartpole_batch_puts_the_policy_on_the_gpu(tmp_path):
     finished, summary = run("rl_cartpole", tmp_path, "--world_size", 3, "--max_episodes", 30,
                             "--log_interval", 1, script="batch.py")
