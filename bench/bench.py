@@ -350,8 +350,10 @@ def measure(all_comparisons, repeats, quick, env=CPU_ONLY):
                 variant.values.append(variant.rate(result.summary))
                 variant.cores.append(result.cores_by_thread)
                 variant.memory.append(result.summary["peak_memory_mb"])
+                memory = sum(m["rss"] for m in variant.memory[-1].values())
                 print(f"   {comparison.title}, {variant.label}: {variant.values[-1]:.1f} "
-                      f"{comparison.unit} ({time.perf_counter() - began:.0f} s)", flush=True)
+                      f"{comparison.unit}, peak memory {memory:.0f} MB in all "
+                      f"({time.perf_counter() - began:.0f} s)", flush=True)
 
 
 def measure_threads(repeats, quick):
