@@ -675,11 +675,11 @@ def memory_of(variant):
     return f"{shown}; in all {sum(medians.values()):.0f}"
 
 
-def write_monarch(all_comparisons, roundtrip, repeats, seconds, quick):
+def write_monarch(all_comparisons, roundtrip, repeats, seconds, quick, alone=False):
     """MONARCH-<cores>-cores.md: the Monarch programs beside the RPC ones, from one run."""
     by_key = {comparison.key: comparison for comparison in all_comparisons}
-    command = "python bench/bench.py --monarch" if quick is None else (
-        f"make bench{' QUICK=1' if quick else ''}")
+    command = (f"python bench/bench.py --monarch{' --quick' if quick else ''}" if alone
+               else f"make bench{' QUICK=1' if quick else ''}")
     lines = ["# Monarch actors beside RPC", "",
              f"Written by `{command}` on {time.strftime('%Y-%m-%d')}: {repeats} repetition(s), "
              f"the variants in turn, {seconds:.0f} s in all. Machine: {machine()}. torchmonarch "
@@ -734,7 +734,7 @@ def measure_monarch(repeats, quick):
     with tempfile.TemporaryDirectory() as folder:
         chosen = monarch_comparisons(quick, folder)
         measure(chosen, repeats, quick)
-    write_monarch(chosen, roundtrip, repeats, time.perf_counter() - started, None)
+    write_monarch(chosen, roundtrip, repeats, time.perf_counter() - started, quick, alone=True)
     print(MONARCH_RESULTS.read_text())
 
 
