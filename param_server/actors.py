@@ -62,6 +62,8 @@ class ParameterServer(Actor):
         self.gradients = 0
         self.short_updates = 0
         self.trainers_started = 0
+        # Not in batch.py: --profile's window, model versions 3 to 2 + --profile_steps.
+        self.recorder = monarch_runs.Recorder(args, 0, "parameter_server")
 
     @endpoint
     def get_model(self):
@@ -100,12 +102,15 @@ class ParameterServer(Actor):
             port.send(new_model)
         self.waiting = []
         self.versions += 1
+        self.recorder.step(self.versions)
 
     @endpoint
     def trainer_done(self):
         self.trainers_left -= 1
         if self.curr_update_size:
             self._update_if_all_gradients_are_in()
+        if self.trainers_left == 0:
+            self.recorder.stop()  # a run shorter than --profile's window
 
     @endpoint
     def figures(self):
@@ -152,9 +157,12 @@ class Trainer(Actor):
         m.load_state_dict(self.get(self.ps.get_model.call_one()))
         print(f"{name} trains its copy of the model on {self.device}, in process "
               f"{os.getpid()}", flush=True)
+        # Not in batch.py: --profile's window, batches 3 to 2 + --profile_steps.
+        recorder = monarch_runs.Recorder(self.args, self.rank, name)
         started = time.perf_counter()
         i = -1
         for i, (inputs, labels) in enumerate(self.get_next_batch()):
+            recorder.step(i)
             log = i % self.args.log_interval == 0
             m.zero_grad()
             loss = F.nll_loss(m(inputs), labels)
@@ -164,6 +172,7 @@ class Trainer(Actor):
             grads = [p.grad.cpu() for p in m.parameters()]
             m.load_state_dict(self.get(self.ps.update_and_fetch_model.call_one(grads)))
         train_seconds = time.perf_counter() - started
+        recorder.stop()
         self.get(self.ps.trainer_done.call_one())
         print("Training complete!", flush=True)
         print("Getting accuracy....", flush=True)
@@ -240,6 +249,7 @@ def main(args):
         args, reports, "monarch", ps_figures,
         f", {ps_figures['model_versions']} model versions of "
         f"{ps_figures['batch_update_size']} gradients")
+    monarch_runs.write_timeline(args, ["parameter_server", *reports])
     monarch_runs.write_summary(args, summary, line, memory)
     monarch_runs.get(trainer_procs.stop(), args.call_timeout, "the trainers' processes")
 
@@ -262,6 +272,7 @@ def parse_args(argv=None):
                         help="gradients in each step (default: the number of trainers)")
     monarch_runs.add_arguments(parser)
     args = parser.parse_args(argv)
+    monarch_runs.check_args(parser, args)
     if args.dataset == "mnist":
         check_mnist_folder(parser, args.data_dir)
     trainers = args.world_size - 1

@@ -41,14 +41,15 @@ HERE = Path(__file__).resolve().parent
 
 class Observer(Actor):
 
-    def __init__(self, seed, call_timeout):
+    def __init__(self, args):
         # current_rank(): this actor's place in the observers' mesh, 0..; main.py's observers
         # are ranks 1.., and their ids seed their environments.
         self.id = current_rank().rank + 1
         self.env = gym.make('CartPole-v1')
         # Gymnasium seeds through the first reset; seed + id, so that observers differ.
-        self.seed = seed + self.id
-        self.call_timeout = call_timeout
+        self.seed = args.seed + self.id
+        self.call_timeout = args.call_timeout
+        self.recorder = monarch_runs.Recorder(args, self.id, f"observer{self.id}")
 
     def get(self, answer):
         """The agent's answer; --call_timeout bounds the wait (monarch_runs.get)."""
@@ -75,6 +76,15 @@ class Observer(Actor):
     def peak_memory_mb(self):
         return monarch_runs.peak_memory_mb()
 
+    # Not in main.py: --profile's window, which the controller opens and closes.
+    @endpoint
+    def start_profile(self):
+        self.recorder.start()
+
+    @endpoint
+    def stop_profile(self):
+        self.recorder.stop()
+
 
 class Agent(Actor):
     """main.py's Agent, with its select_action, report_reward and finish_episode as endpoints;
@@ -94,6 +104,7 @@ class Agent(Actor):
         for ob_id in range(1, num_observers + 1):
             self.rewards[ob_id] = []
             self.saved_log_probs[ob_id] = []
+        self.recorder = monarch_runs.Recorder(args, 0, "agent")
 
     # main.py's methods, unchanged, as endpoints: an actor handles one message at a time, as
     # main.py's agent handles its RPCs (it takes no lock either).
@@ -111,6 +122,22 @@ class Agent(Actor):
         return {"env_steps": self.env_steps, "running_reward": self.running_reward,
                 "solved": self.running_reward > self.reward_threshold}
 
+    # Not in main.py: --profile's window, which the controller opens and closes.
+    @endpoint
+    def start_profile(self):
+        self.recorder.start()
+
+    @endpoint
+    def stop_profile(self):
+        self.recorder.stop()
+
+
+def profile(agent, observers, endpoint_name, timeout):
+    """Open or close --profile's window on the agent and every observer (nothing without
+    --profile)."""
+    for actors, who in ((agent, "the agent"), (observers, "the observers")):
+        monarch_runs.get(getattr(actors, endpoint_name).call(), timeout, who)
+
 
 def setup_process():
     """Runs first in every observer's process (spawn_procs' bootstrap): main.py importable there
@@ -125,12 +152,17 @@ def main(args):
     torch.set_num_threads(1)  # the agent, in this process, as setup_process() does for observers
     observer_procs = this_host().spawn_procs(per_host={"procs": num_observers},
                                              bootstrap=setup_process)
-    observers = observer_procs.spawn("observer", Observer, args.seed, args.call_timeout)
+    observers = observer_procs.spawn("observer", Observer, args)
     # this_proc(): the agent lives in this process, the controller's, as rank 0 in main.py.
     agent = this_proc().spawn("agent", Agent, num_observers, args)
     timeout = args.call_timeout
     started = time.perf_counter()
     for i_episode in count(1):
+        # Not in main.py: --profile's window, episodes 3 to 2 + --profile_steps.
+        if i_episode - 1 == monarch_runs.WARMUP_STEPS:
+            profile(agent, observers, "start_profile", timeout)
+        if i_episode - 1 == monarch_runs.WARMUP_STEPS + args.profile_steps:
+            profile(agent, observers, "stop_profile", timeout)
         # One call to the observers' mesh runs an episode on each; get() waits for all of them.
         episodes = observers.run_episode.call(agent, TOTAL_EPISODE_STEP)
         # The first episode waits for the observers' processes to start, too.
@@ -151,6 +183,9 @@ def main(args):
             print(f"Stopped after {i_episode} episodes (--max_episodes), unsolved")
             break
     seconds = time.perf_counter() - started
+    profile(agent, observers, "stop_profile", timeout)  # a run shorter than the window
+    monarch_runs.write_timeline(args, ["agent"] + [f"observer{i}" for i in
+                                                   range(1, num_observers + 1)])
     figures = monarch_runs.get(agent.figures.call_one(), timeout, "the agent")
     memory = {"agent (controller)": monarch_runs.peak_memory_mb()}
     observer_memory = monarch_runs.get(observers.peak_memory_mb.call(), timeout, "the observers")
@@ -187,7 +222,9 @@ def parse_args(argv=None):
     parser.add_argument("--max_episodes", "--max-episodes", type=monarch_runs.int_at_least(1),
                         default=2000, metavar="N", help="stop, unsolved, after this many episodes")
     monarch_runs.add_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    monarch_runs.check_args(parser, args)
+    return args
 
 
 if __name__ == "__main__":

@@ -17,11 +17,16 @@ import threading
 import time
 from pathlib import Path
 
-from .cli import CORES, ArgumentParser, int_at_least, positive_float, unit_interval
+import torch
+
+from . import profiling
+from .cli import CORES, ArgumentParser, check_folder, int_at_least, positive_float, unit_interval
+from .compat import profiler_options
 
 __all__ = ["ArgumentParser", "int_at_least", "positive_float", "unit_interval",
-           "import_monarch", "get", "add_arguments", "threads_each", "peak_memory_mb",
-           "write_summary", "one_line_on_failure"]
+           "import_monarch", "get", "add_arguments", "check_args", "threads_each",
+           "peak_memory_mb", "write_summary", "Recorder", "write_timeline",
+           "one_line_on_failure"]
 
 # The summary's seconds count from here, as the program imports this module (after torch).
 STARTED = time.time()
@@ -68,6 +73,21 @@ def add_arguments(parser):
     parser.add_argument("--call_timeout", "--call-timeout", type=positive_float, default=60.0,
                         metavar="SECONDS",
                         help="longest wait for any one answer of an actor")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="profile every process into DIR/<its name>.json, merged into "
+                             "DIR/timeline.json (https://ui.perfetto.dev): --profile_steps "
+                             "steps after two warm-up steps")
+    parser.add_argument("--profile_steps", "--profile-steps", type=int_at_least(1), default=3,
+                        metavar="N", help="how many steps --profile records")
+
+
+def check_args(parser, args):
+    """What argparse cannot check: --profile's folder, made if missing (one line, status 2, if
+    it cannot be). With --profile, KINETO_LOG_LEVEL=6 unless set, in this process's environment,
+    which Monarch's processes inherit: the profiler's library logs each start and stop."""
+    if args.profile:
+        check_folder(parser, "--profile", args.profile)
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
 def threads_each(computing):
@@ -93,6 +113,63 @@ def write_summary(args, summary, line, memory):
     print(f"Summary: {line}; {summary['wall_seconds']:.1f} s in all")
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+# --------- --profile --------------------
+
+# Steps left out before --profile's window, as in the RPC programs.
+WARMUP_STEPS = profiling.WARMUP_STEPS
+
+class Recorder:
+    """--profile in one process of a Monarch program: start() records it (every thread, where
+    this torch can: compat.py), stop() writes DIR/<name>.json, with the rank and name that
+    rpc_harness.profiling's merge reads. Without --profile both do nothing. A step count says
+    when: step(i) starts at the step after the warm-up and stops --profile_steps later."""
+
+    def __init__(self, args, rank, name):
+        self.folder = args.profile
+        self.steps = args.profile_steps
+        self.rank = rank
+        self.name = name
+        self.prof = None  # None: not started; False: written
+
+    def step(self, i):
+        """Called with the number of the step about to run, from 0."""
+        if i == WARMUP_STEPS:
+            self.start()
+        elif i == WARMUP_STEPS + self.steps:
+            self.stop()
+
+    def start(self):
+        if not self.folder or self.prof is not None:
+            return
+        self.prof = torch.profiler.profile(**profiler_options()[0])
+        self.prof.preset_metadata_json("rank", json.dumps(self.rank))
+        self.prof.preset_metadata_json("rankName", json.dumps(self.name))
+        self.prof.start()
+
+    def stop(self):
+        if not self.prof:
+            return
+        self.prof.stop()
+        path = Path(self.folder) / f"{self.name}.json"
+        self.prof.export_chrome_trace(str(path))
+        self.prof = False
+        print(f"{self.name}: profiled, wrote {path} ({path.stat().st_size // 1024} kB)",
+              flush=True)
+
+
+def write_timeline(args, names):
+    """The controller, at the end: DIR/timeline.json from the traces of `names` (in that order,
+    a track each) that --profile wrote."""
+    if not args.profile:
+        return
+    traces = {}
+    for name in names:
+        path = Path(args.profile) / f"{name}.json"
+        if path.exists():
+            traces[name] = json.loads(path.read_text())
+    print(profiling.write_timeline(args.profile, traces))
 
 
 # --------- Failures and Ctrl-C --------------------
