@@ -352,12 +352,12 @@ def test_batch_mode_learned(batch_run):
 
 @pytest.fixture(scope="module")
 def monarch_run(tmp_path_factory):
-    """batch.py's server and two trainers as Monarch actors (actors.py)."""
+    """batch.py's server and two trainers as Monarch actors (actors.py), profiled."""
     tmp = tmp_path_factory.mktemp("ps_monarch")
     summary = tmp / "summary.json"
     run = run_example("param_server", "--world_size", 3, "--dataset", "synthetic",
                       "--max_batches", 60, "--log_interval", 20, "--summary_json", summary,
-                      timeout=240, log_dir=tmp, script="actors.py")
+                      "--profile", tmp / "trace", timeout=240, log_dir=tmp, script="actors.py")
     return run, json.loads(summary.read_text()) if summary.exists() else None
 
 
@@ -376,6 +376,25 @@ def test_actors_train_every_trainer_in_step(monarch_run):
     assert summary["model_versions"] * 2 == summary["gradients"] == 120
     assert set(summary["peak_memory_mb"]) == {"parameter_server (controller)", "trainer1",
                                               "trainer2"}
+
+
+def test_actors_profiled_timeline_has_a_track_per_process(monarch_run):
+    """--profile: each process's trace, merged; the server adds the gradients up, the trainers
+    run the convolutions."""
+    run, _ = monarch_run
+    names = ["parameter_server", "trainer1", "trainer2"]
+    for name in names:
+        assert re.search(rf"^{name}: profiled, wrote .*{name}\.json \(\d+ kB\)$", run.stdout,
+                         re.M), run.stdout
+    events = json.loads((run.log_dir / "trace" / "timeline.json").read_text())["traceEvents"]
+    tracks = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert [tracks[pid] for pid in sorted(tracks)] == names
+    work = {}
+    for event in events:
+        if event.get("ph") == "X":
+            work.setdefault(tracks[event["pid"]], set()).add(event["name"])
+    assert "aten::add_" in work["parameter_server"]
+    assert {"aten::convolution", "aten::conv2d"} & work["trainer2"]
 
 
 def test_actors_learned(monarch_run):
