@@ -31,6 +31,10 @@ __all__ = ["ArgumentParser", "int_at_least", "positive_float", "unit_interval",
 # The summary's seconds count from here, as the program imports this module (after torch).
 STARTED = time.time()
 
+# How often Monarch's controller asks whether the processes it started are alive. Monarch's
+# default, 10 s, leaves a run that lost a process waiting that long; 500 ms ends it within 2 s.
+SUPERVISION_POLL = "500ms"
+
 
 def import_monarch():
     """Monarch's package, or, where it is not installed, one line saying how to install it
@@ -44,7 +48,7 @@ def import_monarch():
         if err.name is None or not err.name.startswith("monarch"):
             raise
         print(f"{Path(sys.argv[0]).name}: error: Monarch is missing: `pip install "
-              "torchmonarch` (Linux, Python 3.10 or newer), or `make run` in the repository's "
+              "torchmonarch` (Linux, Python 3.10 to 3.13), or `make run` in the repository's "
               "folder", file=sys.stderr)
         sys.exit(2)
     return monarch
@@ -173,10 +177,6 @@ def write_timeline(args, names):
 
 
 # --------- Failures and Ctrl-C --------------------
-
-# How often Monarch's controller asks whether the processes it started are alive. Monarch's
-# default, 10 s, leaves a run that lost a process waiting that long; 500 ms ends it within 2 s.
-SUPERVISION_POLL = "500ms"
 
 
 def _describe(failure, role):

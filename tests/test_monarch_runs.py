@@ -5,6 +5,7 @@ controller), with no process left behind."""
 import os
 import re
 import signal
+import sys
 import time
 
 import pytest
@@ -110,3 +111,14 @@ def test_describing_a_failure_names_the_actor_and_the_cause():
     assert monarch_runs._describe(exited, "trainer") == "trainer1 exited with status 3"
     failed = Failure("MeshFailure(crashed_ranks=[0], event=...)")
     assert monarch_runs._describe(failed, "trainer") == "trainer1 failed: ValueError: bad batch"
+
+
+def test_without_monarch_the_program_says_so_in_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "monarch", None)  # import monarch fails, as if not installed
+    monkeypatch.setitem(sys.modules, "monarch.actor", None)
+    with pytest.raises(SystemExit) as exited:
+        monarch_runs.import_monarch()
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Monarch is missing: `pip install torchmonarch`" in err
+
