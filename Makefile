@@ -75,10 +75,11 @@ run: $(VENV)/.run-installed
 	@echo "== rpc_profiling: the profiling recipe's RPCs, then both ranks profiled, one timeline in traces/"
 	@$(PY) rpc_profiling/main.py
 
-# bench/RESULTS-<cores>-cores.md and its chart: RPC against one process, side by side (about
-# 10 minutes on 2 cores; QUICK=1: one shorter repetition, 4-5 minutes). SOLVE=1: instead,
-# rl_cartpole trained until solved, two ways, into bench/SOLVE.md (9 minutes here; more when
-# a run needs many episodes).
+# bench/RESULTS-<cores>-cores.md and its chart: RPC against one process, side by side, and
+# bench/MONARCH-<cores>-cores.md: the Monarch programs beside the RPC ones (about 10 minutes on
+# 2 cores before the Monarch programs came, which `bench.py --monarch` alone measures in 14;
+# QUICK=1: one shorter repetition). SOLVE=1: instead, rl_cartpole trained until solved, three
+# ways, into bench/SOLVE.md (17 minutes here; more when a run needs many episodes).
 bench: $(VENV)/.dev-installed
 	$(PY) bench/bench.py $(if $(QUICK),--quick) $(if $(SOLVE),--solve)
 

@@ -400,6 +400,7 @@ SOLVES = [
     ("`python rl_cartpole/main.py`: tutorial mode, 1 observer", "main.py", (), 3),
     ("`python rl_cartpole/batch.py --world_size 5`: 4 observers, batched actions", "batch.py",
      ("--world_size", 5), 1),
+    ("`python rl_cartpole/actors.py`: Monarch actors, 1 observer", "actors.py", (), 1),
 ]
 
 
@@ -409,8 +410,12 @@ def solve_runs():
     for label, script, flags, runs in SOLVES:
         for run in range(runs):
             print(f"== rl_cartpole until solved, {label}, run {run + 1} of {runs}", flush=True)
-            result = run_example(example("rl_cartpole", *flags, script=script),
-                                 r"^Episode \d+\t", r"^(Stopped after|Solved!)", timeout=1800)
+            if script == "actors.py":
+                cmd = monarch_example("rl_cartpole", *flags)
+            else:
+                cmd = example("rl_cartpole", *flags, script=script)
+            result = run_example(cmd, r"^Episode \d+\t", r"^(Stopped after|Solved!)",
+                                 timeout=1800)
             print("".join(result.output.splitlines(keepends=True)[-12:]), flush=True)
             results.append((label, result.summary))
     return results
@@ -789,8 +794,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=None,
                         help="repetitions (default: 3; 1 with --quick)")
     parser.add_argument("--solve", action="store_true",
-                        help="only train rl_cartpole until solved, two ways, and write SOLVE.md "
-                             "(9 minutes here; more when a run needs many episodes)")
+                        help="only train rl_cartpole until solved, three ways, and write "
+                             "SOLVE.md (17 minutes here; more when a run needs many episodes)")
     args = parser.parse_args()
     if args.solve:
         write_solves(solve_runs())
