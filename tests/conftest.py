@@ -23,6 +23,14 @@ from rpc_harness.compat import profiler_options
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The tests send Ctrl-C (SIGINT) to the commands they start, which must act on it as they would
+# in a terminal. A pytest started in the background of a non-interactive shell (`make test &`,
+# nohup) inherits SIGINT ignored, and so would every command it starts: that run's Ctrl-C tests
+# failed, their commands deaf to SIGINT. Python's own handler here: a command started from this
+# process then gets SIGINT's default, as exec resets a handled signal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 # --------- Ports --------------------
 
