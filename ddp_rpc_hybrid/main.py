@@ -10,6 +10,7 @@ fails; each of its names is explained where main.py first uses it.
     python main.py --world_size=4 --rank=3                  # one rank per terminal
 """
 
+import datetime
 import hashlib
 import os
 import random
@@ -183,10 +184,13 @@ def run_worker(rank, world_size, args):
         if device.type == "cuda":
             torch.cuda.set_device(device)
         # rpc_harness.init_method(args): the same meeting as options(args), over the same
-        # store: one port for RPC and for the trainers' process group.
+        # store: one port for RPC and for the trainers' process group. Not in the tutorial:
+        # timeout, the bound of each collective (DDP's allreduce), --rpc_timeout as every RPC's
+        # (torch's default is 30 minutes).
         dist.init_process_group(
                 backend=backend, rank=rank, world_size=num_trainers,
-                init_method=rpc_harness.init_method(args))
+                init_method=rpc_harness.init_method(args),
+                timeout=datetime.timedelta(seconds=args.rpc_timeout))
 
         # Initialize RPC.
         trainer_name = "trainer{}".format(rank)
@@ -375,5 +379,6 @@ if __name__ == "__main__":
 
         for p in processes:
             p.join()
-        # Not in the tutorial: the rank's exit status is the command's.
-        sys.exit(p.exitcode)
+        # Not in the tutorial: the rank's exit status is the command's; rpc_harness.exit_status
+        # says, in one line, when a signal killed the rank (which then could not say it).
+        sys.exit(rpc_harness.exit_status(p))

@@ -463,5 +463,6 @@ if __name__ == '__main__':
 
         for p in processes:
             p.join()
-        # Not in the tutorial: the rank's exit status is the command's.
-        sys.exit(p.exitcode)
+        # Not in the tutorial: the rank's exit status is the command's; rpc_harness.exit_status
+        # says, in one line, when a signal killed the rank (which then could not say it).
+        sys.exit(rpc_harness.exit_status(p))

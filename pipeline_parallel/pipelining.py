@@ -12,6 +12,7 @@ rank in one line when one fails; each of its names is explained where it is firs
 """
 
 import copy
+import datetime
 import inspect
 import os
 import signal
@@ -74,9 +75,11 @@ def init_distributed(this_rank, world_size, args):
         torch.cuda.set_device(device)
     # rpc_harness.init_method(args): the ranks meet through rpc_harness, where MASTER_ADDR and
     # MASTER_PORT say (as the default env:// would), with bounded waits, and every rank ends in
-    # one line when one is lost.
+    # one line when one is lost. timeout (not in the tutorial): the bound of each send, receive
+    # and collective, --rpc_timeout (torch's default is 30 minutes; 10 with NCCL).
     dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            init_method=rpc_harness.init_method(args))
+                            init_method=rpc_harness.init_method(args),
+                            timeout=datetime.timedelta(seconds=args.rpc_timeout))
 
     # This group can be a sub-group in the N-D parallel case
     pp_group = dist.new_group()
@@ -342,5 +345,6 @@ if __name__ == "__main__":
 
         for p in processes:
             p.join()
-        # Not in the tutorial: the rank's exit status is the command's.
-        sys.exit(p.exitcode)
+        # Not in the tutorial: the rank's exit status is the command's; rpc_harness.exit_status
+        # says, in one line, when a signal killed the rank (which then could not say it).
+        sys.exit(rpc_harness.exit_status(p))

@@ -6,9 +6,13 @@ port opens."""
 import argparse
 import logging
 import os
+import secrets
+import signal
 import socket
 import sys
+import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 # The summary's seconds count from here, as main.py imports rpc_harness (after torch).
@@ -22,8 +26,8 @@ PER_RANK = {"rank", "master_addr", "master_port", "init_timeout", "rpc_timeout",
 # The cores this process may run on, which the ranks on this machine share.
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
-# What the command that starts the ranks knows of them (check_args sets it), for the messages
-# of launch.excepthook.
+# What the command that starts the ranks knows of them (check_args sets it), for the lines of
+# launch.py.
 launched = None
 
 
@@ -120,16 +124,19 @@ def check_args(parser, args, worker_name, computes=None, loops=None, summary=Non
     summary, which rank 0 writes at the end; per_rank: the example's flags that may differ
     between ranks (paths of a rank's own machine).
 
-    It changes these things in this process, for the ranks that it starts: torch.multiprocessing's
-    log level, to ERROR, so that mp.spawn does not log "Terminating process N via signal SIGTERM"
-    for each rank it stops after one failed (launch.excepthook says which rank failed, in one
-    line); and, unless set already, TORCH_CPP_LOG_LEVEL=FATAL in the environment that the ranks
-    inherit (read as their torch loads): expected ends (a rank that never came, a lost peer) make
+    It changes these things in this process, for the ranks that it starts (README.md: "What the
+    harness changes"): torch.multiprocessing's log level, to ERROR, so that mp.spawn does not
+    log "Terminating process N via signal SIGTERM" for each rank it stops after one failed
+    (launch.excepthook says which rank failed, in one line); and, unless set already,
+    TORCH_CPP_LOG_LEVEL=FATAL in the environment that the ranks inherit (read as their torch
+    loads): expected ends (a rank that never came, a lost peer) make
     torch's C++ code log errors with their C++ stack traces, which the ranks' one line replaces.
     TORCH_CPP_LOG_LEVEL=INFO shows them. With --profile, KINETO_LOG_LEVEL=6 too (unless set):
-    the profiler's library logs each start and stop, and an error on a machine without a GPU."""
+    the profiler's library logs each start and stop, and an error on a machine without a GPU.
+    Under torchrun, the command gets SIGTERM if torchrun's agent dies."""
     global launched
     args.torchrun = args.rank is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    threads_asked = omp_num_threads(parser)
     if args.torchrun:
         args.rank = int(os.environ["RANK"])
         args.world_size = _torchrun_world_size(parser, os.environ["WORLD_SIZE"])
@@ -148,18 +155,29 @@ def check_args(parser, args, worker_name, computes=None, loops=None, summary=Non
     flags = {"script": os.path.basename(sys.argv[0])}
     for key in compared:
         flags[key] = getattr(args, key)
+    spawn_all = args.rank is None
     args.harness = SimpleNamespace(
         names=[worker_name(rank, args.world_size) for rank in world],
-        threads=_thread_counts(args, computing),
+        threads=_thread_counts(args, computing, threads_asked),
         computes=computing,
         loops=None if loops is None else [rank for rank in world if loops(rank, args.world_size)],
         flags=flags,
         summary=summary,
         started=STARTED,
-        spawn_all=args.rank is None,
+        spawn_all=spawn_all,
+        rank=args.rank,
+        # Under mp.spawn, where the command says the run's last line, a rank that ends for a
+        # reason the command cannot see (a peer gone silent) leaves it in this file.
+        reasons=(str(Path(tempfile.gettempdir()) / f"rpc_harness-{os.getpid()}-"
+                                                     f"{secrets.token_hex(4)}.reasons")
+                 if spawn_all else None),
     )
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    if args.torchrun:
+        # torchrun's agent gives the commands it starts no death signal: killed, it left them
+        # training, orphaned. SIGTERM then, as when the agent stops them (launch.on_sigterm).
+        signal_when_the_parent_dies(signal.SIGTERM)
     if profile:
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     launched = args.harness
@@ -194,19 +212,53 @@ def _check_address(parser, args):
                      "--master_port; if this run's rank 0 does, this rank is taken")
 
 
-def _thread_counts(args, computing):
-    """{rank: intra-op threads} for the ranks that this command starts: OMP_NUM_THREADS if set;
-    else the ranks that compute share the cores and the others get one thread each. A rank on
-    this machine alone (--rank with another machine's address) counts as the only one here;
-    torchrun says how many of its ranks run here (LOCAL_WORLD_SIZE)."""
+def omp_num_threads(parser):
+    """OMP_NUM_THREADS's threads, or None where it is unset. OpenMP reads a list, one number a
+    level of nesting ("4,2"): torch's pool is the first level. Anything else is bad input."""
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not text:
+        return None
+    first = text.split(",")[0].strip()
+    if not first.isdigit() or int(first) < 1:
+        parser.error(f"OMP_NUM_THREADS={text}: not a number of threads (a whole number of at "
+                     "least 1, or a list of them, as OpenMP reads it)")
+    return int(first)
+
+
+def signal_when_the_parent_dies(number):
+    """Ask Linux for signal `number` when this process's parent dies (PR_SET_PDEATHSIG, as
+    torch's mp.spawn asks for its ranks); if the parent is gone already, send it now."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, number)
+    if os.getppid() != parent:  # it died before the request
+        os.kill(os.getpid(), number)
+
+
+def signal_name(number):
+    """A signal's name ("SIGKILL"), or its number where Python has none (a real-time signal)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _thread_counts(args, computing, threads_asked=None):
+    """{rank: intra-op threads} for the ranks that this command starts: OMP_NUM_THREADS's
+    (threads_asked) if set; else the ranks that compute share the cores and the others get one
+    thread each. A rank on this machine alone (--rank with another machine's address) counts as
+    the only one here; torchrun says how many of its ranks run here (LOCAL_WORLD_SIZE)."""
     if args.rank is None or args.master_addr in ("localhost", "127.0.0.1", "::1"):
         local = list(range(args.world_size))
     else:
         first = args.rank - int(os.environ.get("LOCAL_RANK", 0))
         local = list(range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    fixed = os.environ.get("OMP_NUM_THREADS")
-    if fixed:
-        return dict.fromkeys(local, int(fixed))
+    if threads_asked:
+        return dict.fromkeys(local, threads_asked)
     heavy = [rank for rank in local if rank in computing]
     counts = {}
     for rank in local:

@@ -19,102 +19,105 @@ WARMUP_STEPS = 2
 TIMELINE = "timeline.json"
 _CLOSED = "rpc_harness/profiles_closed"
 
-_on = _loops = False  # --profile here; this rank loops
-_args = _name = _store = _prof = None  # _prof: None before it starts, False once written
-_meta = {}  # what the merge reads in the trace
-_lock = threading.Lock()  # the trace is written once, by whichever thread gets there first
 
+class Profile:
+    """One rank's --profile: its profiler, and what the merge reads in its trace. The rank's
+    state (rank.Rank) holds it; its main thread steps it, its watch stops a serving rank's."""
 
-def begin(args, rank, name, store, run):
-    """At the join, on the main thread (Kineto must first start there, and torch 2.4 stop
-    there): a rank that serves starts recording now; one that loops, at its first step."""
-    global _on, _args, _name, _store, _loops, _prof
-    _on = bool(getattr(args, "profile", None)) and args.harness.loops is not None
-    if _on:
-        _args, _name, _store, _loops = args, name, store, rank in args.harness.loops
-        _meta.update(rank=rank, rankName=name, run=run)
-        if _loops:
+    def __init__(self, args, rank, name, store, run):
+        """At the join, on the main thread (Kineto must first start there, and torch 2.4 stop
+        there): a rank that serves starts recording now; one that loops, at its first step."""
+        self.folder = Path(args.profile)
+        self.steps = args.profile_steps
+        self.loop_count = len(args.harness.loops)
+        self.name = name
+        self.store = store
+        self.loops = rank in args.harness.loops
+        self.meta = {"rank": rank, "rankName": name, "run": run}
+        self.prof = None  # None before it starts, False once written
+        self.written = None  # the line that says where the trace went
+        self.lock = threading.Lock()  # the trace is written once, by the first thread to ask
+        if self.loops:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
                 pass
         else:
-            _prof = _start(on_trace_ready=_write)
+            self.prof = self._start(on_trace_ready=self._write)
+
+    def _start(self, **kwargs):
+        """A started profiler, with this rank's metadata, which the merge reads."""
+        prof = torch.profiler.profile(**profiler_options()[0], **kwargs)
+        for key, value in self.meta.items():
+            prof.preset_metadata_json(key, json.dumps(value))
+        prof.start()
+        return prof
+
+    def step(self):
+        """One step of a looping rank: the window opens after WARMUP_STEPS."""
+        if self.prof is None:
+            self.prof = self._start(on_trace_ready=self._write, schedule=torch.profiler.schedule(
+                wait=WARMUP_STEPS - 1, warmup=1, active=self.steps, repeat=1))
+        elif self.prof:
+            self.prof.step()
+
+    def beat(self):
+        """Once a heartbeat: a serving rank stops recording once every loop's window has closed.
+        Rank 0's store may be gone (rank 0 ended): then the rank is ending too."""
+        if self.loops or not self.prof:
+            return
+        with contextlib.suppress(RuntimeError):
+            if self.store.add(_CLOSED, 0) >= self.loop_count:
+                self._stop()
+
+    def end(self, seconds=None):
+        """Write the trace; the line that says where it went, or None. When the rank stops early,
+        within `seconds`, or the trace is left out."""
+        if seconds is None:
+            self._stop()
+            return self.written
+        writing = threading.Thread(target=self._stop, daemon=True, name="rpc_harness trace")
+        writing.start()
+        writing.join(seconds)
+        if writing.is_alive():
+            return f"{self.name}: its trace was not written within {seconds:g} s, and is left out"
+        return self.written
+
+    def _stop(self):
+        """Stop the profiler (its trace is written by _write), once, whichever thread asks first."""
+        # RuntimeError: torch 2.4 stops a profiler only from the thread that started it (compat.py)
+        with self.lock, contextlib.suppress(RuntimeError):
+            if self.prof:
+                self.prof.stop()
+
+    def _write(self, prof):
+        """The profiler's on_trace_ready: the trace, written whole under this rank's name."""
+        self.prof = False
+        path, part = self.folder / f"{self.name}.json", self.folder / f".{self.name}.json"
+        prof.export_chrome_trace(str(part))
+        part.replace(path)  # whole or not at all: the rank may be killed meanwhile
+        self.written = f"{self.name}: profiled, wrote {path} ({path.stat().st_size // 1024} kB)" + (
+            "" if profiler_options()[1] else f"; torch {torch.__version__} records only the "
+            "thread that started the profiler, not the threads where RPCs run")
+        if self.loops:
+            with contextlib.suppress(RuntimeError):  # rank 0's store, gone as this rank ends
+                self.store.add(_CLOSED, 1)
 
 
-def _start(**kwargs):
-    """A started profiler, with this rank's metadata, which the merge reads."""
-    prof = torch.profiler.profile(**profiler_options()[0], **kwargs)
-    for key, value in _meta.items():
-        prof.preset_metadata_json(key, json.dumps(value))
-    prof.start()
-    return prof
-
-
-def step():
-    """Not in the tutorials: one step of a looping rank, for --profile's window."""
-    global _prof
-    if _on and _prof is None:
-        _prof = _start(on_trace_ready=_write, schedule=torch.profiler.schedule(
-            wait=WARMUP_STEPS - 1, warmup=1, active=_args.profile_steps, repeat=1))
-    elif _on and _prof:
-        _prof.step()
-
-
-def beat():
-    """Once a heartbeat: a serving rank stops recording once every loop's window has closed."""
-    if _on and not _loops and _prof and _store.add(_CLOSED, 0) >= len(_args.harness.loops):
-        _stop()
-
-
-def end(seconds=None):
-    """Write the trace; when the rank stops early, within `seconds`, or leave it out."""
-    if not _on or seconds is None:
-        return _on and _stop()
-    writing = threading.Thread(target=_stop, daemon=True)
-    writing.start()
-    writing.join(seconds)
-    if writing.is_alive():
-        print(f"{_name}: its trace was not written within {seconds:g} s, and is left out",
-              file=sys.stderr, flush=True)
-
-
-def _stop():
-    """Stop the profiler (its trace is written by _write), once, whichever thread asks first."""
-    # RuntimeError: torch 2.4 stops a profiler only from the thread that started it (compat.py)
-    with _lock, contextlib.suppress(RuntimeError):
-        if _prof:
-            _prof.stop()
-
-
-def _write(prof):
-    """The profiler's on_trace_ready: the trace, written whole under this rank's name."""
-    global _prof
-    _prof = False
-    path, part = Path(_args.profile) / f"{_name}.json", Path(_args.profile) / f".{_name}.json"
-    prof.export_chrome_trace(str(part))
-    part.replace(path)  # whole or not at all: the rank may be killed meanwhile
-    print(f"{_name}: profiled, wrote {path} ({path.stat().st_size // 1024} kB)" + (
-        "" if profiler_options()[1] else f"; torch {torch.__version__} records only the thread "
-        "that started the profiler, not the threads where RPCs run"))
-    if _loops:
-        _store.add(_CLOSED, 1)
-
-
-def write_timeline_of_every_rank(names):
-    """Rank 0, at the end: the timeline of every rank's trace of this run, if all are here (the
-    ranks of other machines wrote theirs there); otherwise how to merge them."""
-    if not _on:
-        return
+def write_timeline_of_every_rank(profile, names):
+    """Rank 0, at the end: the timeline of every rank's trace of this run (`profile`: rank 0's),
+    if all are here (the ranks of other machines wrote theirs there); otherwise how to merge
+    them."""
     traces = {}
     for name in names:
-        path = Path(_args.profile) / f"{name}.json"
+        path = profile.folder / f"{name}.json"
         if path.exists():
             traces[name] = json.loads(path.read_text())
-    missing = [name for name in names if traces.get(name, {}).get("run") != _meta["run"]]
+    missing = [name for name in names if traces.get(name, {}).get("run") != profile.meta["run"]]
     if missing:
-        print(f"{_name}: the traces of {', '.join(missing)} are not in {_args.profile} here: put "
-              "every rank's trace in one folder and run `python -m rpc_harness.profiling FOLDER`")
+        print(f"{profile.name}: the traces of {', '.join(missing)} are not in {profile.folder} "
+              "here: put every rank's trace in one folder and run `python -m "
+              "rpc_harness.profiling FOLDER`")
     else:
-        print(f"{_name}: {write_timeline(_args.profile, traces)}")
+        print(f"{profile.name}: {write_timeline(profile.folder, traces)}")
 
 
 def write_timeline(folder, traces):

@@ -1,33 +1,39 @@
-"""A rank's life after it joins: the handlers it installs at the join, the watch over its
-peers, and how it ends.
+"""A rank's life from the join on: its state, the one thread that acts for it, and how it ends.
 
-At the join (rendezvous.py calls install()), on the rank's main thread, the rank:
-- ends on Ctrl-C and SIGTERM within a moment, in one line, even while torch's C++ code waits;
-- ends when the command that started it ends (a rank started by mp.Process; mp.spawn already
-  gives its ranks a death signal);
-- sizes its intra-op thread pool to its share of the cores (torch.set_num_threads);
-- writes each line of its output whole, in one write (ranks share a terminal or a log);
-- leaves out two deprecation warnings that torch prints from inside its own RPC stack;
-- runs at_the_end() when its function returns or raises (before a traceback is printed).
+Everything the harness holds for a rank is one object, a Rank, made at the join
+(rendezvous.py calls install()). Two threads use it: the rank's main thread, which runs the
+example's code, and the rank's loop, a thread of the harness that runs one `selectors` loop over
 
-Then each rank holds a TCP connection to rank 0 (rank 0, one to each), which a process closes
-however it ends. Every second each side says "." on it; a rank that finishes says "bye" with
-its figures for the summary. A connection that closes without "bye", or stays silent for
---rpc_timeout, is a lost peer: rank 0 tells the others which rank went, and each ends in one
-line wherever it waits (rpc.shutdown() would wait for ever)."""
+- the signal pipe: Ctrl-C (SIGINT) and SIGTERM end the rank at once, in one line, even while
+  the main thread waits in torch's C++ code (a Python handler would run only once it is back);
+- the main thread's requests: "bye" when the rank's function is done, "fail" when it raised;
+- one TCP connection to each peer (rank 0 holds one to each rank, the others one to rank 0),
+  on which each side says "." every HEARTBEAT_SECONDS (the loop's timeout), and which a
+  process closes however it ends.
+
+Only the loop writes to the peers, and once the rank has joined, only the loop ends it. A peer
+whose connection closes without "bye", that says it failed, or that stays silent for
+--rpc_timeout, is lost: rank 0 tells the others which rank went, and each ends in one line
+wherever its main thread waits (rpc.shutdown() would wait for ever). Under mp.spawn the command
+says that line for every rank (launch.py), so a rank ends silently.
+
+The rank's line is always its terminal's last: the rank goes quiet first (its standard output
+and error lead nowhere), and the line is written on a copy of its error stream."""
 
 import contextlib
 import json
 import multiprocessing
 import multiprocessing.util
 import os
+import queue
 import resource
-import select
+import selectors
 import signal
 import socket
 import sys
 import threading
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -35,39 +41,365 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from . import profiling
-from .cli import CORES
+from .cli import CORES, signal_when_the_parent_dies
 
 HEARTBEAT_SECONDS = 1.0
 # How long rank 0 waits, once it is done, for the others to say "bye" with their figures.
 BYE_SECONDS = 10.0
+# How long a rank whose function failed waits for a lost peer to show itself as the cause.
+CAUSE_SECONDS = 2 * HEARTBEAT_SECONDS
+# A turn of the loop this much later than its timeout: the process was stopped (SIGSTOP, a
+# suspended laptop), and the peers' silence meanwhile is its own.
+STOPPED_SECONDS = 2 * HEARTBEAT_SECONDS
 
-_args = _rank = _name = None  # this rank's command line, rank and name
-_peers = {}  # rank -> its connection: rank 0's to each rank, the others' to rank 0
-_byes = {}  # rank -> the figures that it sent with its "bye"
-_byes_changed = threading.Condition()
-_lost = threading.Event()  # a peer is gone
-_ending = threading.Lock()  # held by the one thread that ends this rank
-_said_bye = threading.Event()  # this rank is done: connections that close now are expected
-_figures = {}  # this rank's figures for the summary (report())
-_stderr = None  # a copy of this rank's stderr, where its last line goes once the rank is quiet
+_this = None  # this process's Rank, from the join on
 
+
+class Rank:
+    """What the harness holds for one rank (the module's docstring says who uses what)."""
+
+    def __init__(self, args, rank):
+        self.args = args
+        self.rank = rank
+        self.names = args.harness.names
+        self.name = self.names[rank]
+        self.spawn_all = args.harness.spawn_all
+        self.store = None  # the rendezvous's store, once this rank has joined
+        self.claims = {}  # rank -> its claim at the join: its host and process, among others
+        self.profile = None  # --profile's profiling.Profile, once this rank has joined
+        self.figures = {}  # report()'s, for the summary (the main thread's)
+        # The rank's terminal: its error stream, which stays open once the rank is quiet.
+        self.terminal = os.dup(sys.stderr.fileno())
+        self.ending = threading.Lock()  # held by the one thread that ends this rank
+        # The main thread and the loop: requests one way, events the other.
+        self.requests = queue.SimpleQueue()
+        self.lost = threading.Event()  # a peer is lost: the cause of a failure meanwhile
+        self.byes_in = threading.Event()  # rank 0: every peer's "bye"; the others: theirs sent
+        self.finished = threading.Event()  # done: connections that close now are expected
+        # The loop's own: the peers, what they said, and when.
+        self.peers = {}  # rank -> its connection
+        self.heard = {}  # rank -> when it last spoke (time.monotonic())
+        self.unread = {}  # rank -> the start of a line not yet whole
+        self.byes = {}  # rank -> the figures of its "bye" (rank 0's)
+        self.selector = selectors.DefaultSelector()
+        self.wake_read, self.wake_write = os.pipe()
+        os.set_blocking(self.wake_write, False)
+        self.selector.register(self.wake_read, selectors.EVENT_READ, self._on_wake)
+        self.next_beat = 0.0
+
+    # --------- The main thread's side --------------------
+
+    def start(self):
+        """Start the loop. Signals go down the wake pipe from now on (signal.set_wakeup_fd: the
+        C handler writes the signal's number there, whatever the main thread is doing)."""
+        signal.set_wakeup_fd(self.wake_write)
+        for number in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(number, _do_nothing)
+        threading.Thread(target=self._loop, daemon=True, name="rpc_harness loop").start()
+
+    def watch(self, peers):
+        """Hand the loop the connections to the peers (rank -> socket), once the rank joined."""
+        self._ask("peers", peers)
+
+    def _ask(self, *request):
+        self.requests.put(request)
+        with contextlib.suppress(BlockingIOError):  # the pipe is full: the loop is waking
+            os.write(self.wake_write, b"\0")
+
+    def finish(self):
+        """The rank's function is done: write its trace, say "bye" with its figures; rank 0
+        waits for every other rank's (BYE_SECONDS at most), then merges the traces and writes
+        the summary."""
+        if self.profile:
+            self._print(self.profile.end())
+        self.figures["peak_memory_mb"] = _peak_memory_mb()
+        if self.rank != 0:
+            self._ask("bye", json.dumps(self.figures))
+            self.byes_in.wait(BYE_SECONDS)
+            return
+        self.byes_in.wait(BYE_SECONDS)
+        self.finished.set()
+        figures_by_rank = {0: dict(self.figures), **self.byes}
+        if self.profile:
+            from .profiling import write_timeline_of_every_rank
+            write_timeline_of_every_rank(self.profile, self.names)
+        write_summary(self.args, figures_by_rank)
+
+    def fail(self, error):
+        """The rank's function raised `error` (None: it returned with RPC still up): unless a
+        lost peer is the cause, print the traceback (mp.spawn's command prints it for its ranks),
+        tell the peers, and end, status 1. Never returns."""
+        if self.lost.wait(CAUSE_SECONDS):
+            threading.Event().wait()  # the loop ends the rank, naming the peer
+        if error is None:
+            what = "it returned with RPC or its process group still up"
+        else:
+            what = traceback.format_exception_only(type(error), error)[-1].strip()
+        if not self.spawn_all and error is not None:
+            traceback.print_exception(type(error), error, error.__traceback__)
+        self._ask("fail", what)
+        threading.Event().wait()
+
+    def _print(self, line):
+        if line:
+            print(line, flush=True)
+
+    # --------- The loop --------------------
+
+    def _loop(self):
+        try:
+            while True:
+                self._turn()
+        except Exception:  # noqa: BLE001 - a defect of the harness: said, never hidden
+            self.end(f"{self.name}: rpc_harness's loop failed, so this rank cannot watch its "
+                     f"peers; stopping\n{traceback.format_exc().rstrip()}", 1)
+
+    def _turn(self):
+        """Beat if it is time, wait for what comes (HEARTBEAT_SECONDS at most), act on it."""
+        if time.monotonic() >= self.next_beat:
+            self._send_to_all(b".\n")
+            if self.profile:
+                self.profile.beat()
+            self.next_beat = time.monotonic() + HEARTBEAT_SECONDS
+        timeout = max(0.0, self.next_beat - time.monotonic())
+        before = time.monotonic()
+        events = self.selector.select(timeout)
+        if time.monotonic() - before > timeout + STOPPED_SECONDS:
+            self.heard = dict.fromkeys(self.heard, time.monotonic())
+        for key, _ in events:
+            key.data(key.fileobj)
+        for peer, when in list(self.heard.items()):
+            silent = time.monotonic() - when
+            if peer not in self.byes and silent > self.args.rpc_timeout:
+                self._peer_lost(peer, f"silent for {self.args.rpc_timeout:g} s (--rpc_timeout)",
+                                seen_by_mp_spawn=False)
+
+    def _on_wake(self, pipe):
+        for byte in os.read(pipe, 512):
+            if byte in (signal.SIGINT, signal.SIGTERM):
+                self._on_signal(byte)
+        while not self.requests.empty():
+            kind, payload = self.requests.get()
+            getattr(self, f"_on_{kind}")(payload)
+
+    def _on_signal(self, number):
+        """Ctrl-C or SIGTERM: the rank ends at once, with 128 + the signal's number."""
+        line = f"{self.name}: interrupted"
+        if number == signal.SIGTERM:
+            line += " (SIGTERM)"
+        parent = multiprocessing.parent_process()
+        # The death signal (_end_with_the_command): the parent's end of the pipe that
+        # multiprocessing gave this process is closed before Linux sends it.
+        if parent is not None and not parent.is_alive():
+            line = f"{self.name}: the command that started this rank has ended; stopping"
+        self.stop(line, 128 + number)
+
+    def _on_peers(self, peers):
+        now = time.monotonic()
+        for peer, sock in peers.items():
+            sock.settimeout(5.0)  # a send to a peer that reads nothing fails, not hangs
+            self.peers[peer] = sock
+            self.heard[peer] = now
+            self.unread[peer] = b""
+            self.selector.register(sock, selectors.EVENT_READ,
+                                   lambda sock, peer=peer: self._on_data(peer, sock))
+
+    def _on_bye(self, figures):
+        self.finished.set()
+        self._send_to_all(f"bye {figures}\n".encode())
+        self.byes_in.set()
+
+    def _on_fail(self, what):
+        self._send_to_all(f"failed {self.rank} {what}\n".encode())
+        self.stop(f"{self.name}: failed ({what}); the other ranks stop too", 1)
+
+    def _on_data(self, peer, sock):
+        try:
+            data = sock.recv(65536)
+        except OSError:  # reset: counts as closed
+            data = b""
+        if not data:
+            self.selector.unregister(sock)
+            del self.heard[peer]
+            if peer not in self.byes and not self.finished.is_set():
+                self._peer_lost(peer, "its connection closed", seen_by_mp_spawn=True)
+            return
+        self.heard[peer] = time.monotonic()
+        lines = (self.unread[peer] + data).split(b"\n")
+        self.unread[peer] = lines.pop()
+        for line in lines:
+            self._read(peer, line.decode(errors="replace"))
+
+    def _read(self, peer, line):
+        """One line from a peer: ".", "bye <figures>", and from rank 0 "gone <rank> <how>" or
+        "failed <rank> <what>" (a rank's own failure, which rank 0 passes on)."""
+        kind, _, rest = line.partition(" ")
+        if kind == "bye":
+            try:
+                figures = json.loads(rest or "{}")
+            except ValueError:
+                figures = {}
+            self.byes[peer] = figures
+            if len(self.byes) == len(self.peers):
+                self.byes_in.set()
+        elif kind in ("gone", "failed"):
+            number, _, how = rest.partition(" ")
+            if not number.isdigit() or int(number) >= len(self.names):
+                return  # not a line of this harness
+            other = int(number)
+            if kind == "failed":
+                self._peer_failed(other, how)
+            elif other == self.rank:  # this rank was stopped for longer than rank 0 waits
+                self._gave_up_on_this_rank()
+            else:
+                self._peer_lost(other, f"{how}, as {self.names[0]} (rank 0) saw",
+                                seen_by_mp_spawn=True)
+
+    def _send_to_all(self, message):
+        for sock in list(self.peers.values()):
+            with contextlib.suppress(OSError):  # a peer that is gone, which the loop finds
+                sock.sendall(message)
+
+    def _peer_lost(self, peer, how, seen_by_mp_spawn):
+        """A peer is gone: rank 0 tells the others, then this rank ends in one line. Under
+        mp.spawn, where the command says the line, a rank ends silently with status 0 when the
+        command sees the cause itself (a rank that ended: mp.spawn names it), and otherwise
+        leaves the line for the command (launch.leave_reason) and ends with 1."""
+        self.lost.set()
+        if self.rank == 0:
+            self._send_to_all(f"gone {peer} {how}\n".encode())
+        reason = f"lost contact with {self.names[peer]} (rank {peer}, {how})"
+        self._end_for_a_peer(reason, seen_by_mp_spawn,
+                             silent_peer=None if seen_by_mp_spawn else peer)
+
+    def _peer_failed(self, peer, what):
+        """A peer's own code failed: rank 0 tells the others; this rank ends in one line."""
+        self.lost.set()
+        if self.rank == 0:
+            self._send_to_all(f"failed {peer} {what}\n".encode())
+        self._end_for_a_peer(f"{self.names[peer]} (rank {peer}) failed ({what})", True)
+
+    def _gave_up_on_this_rank(self):
+        """Rank 0 gave up on this rank, which was stopped (SIGSTOP) for longer than it waits."""
+        reason = (f"was not heard from for {self.args.rpc_timeout:g} s (--rpc_timeout): "
+                  f"{self.names[0]} (rank 0) gave up on it")
+        if self.spawn_all:
+            self._leave_reason(reason)
+        self.stop(f"{self.name}: {self.names[0]} (rank 0) gave up on this rank, which it had not "
+                  f"heard from for {self.args.rpc_timeout:g} s (--rpc_timeout); stopping", 1)
+
+    def _end_for_a_peer(self, reason, seen_by_mp_spawn, silent_peer=None):
+        if not self.spawn_all:
+            self.end(f"{self.name}: {reason}; stopping", 1)
+        if seen_by_mp_spawn:
+            self.end(None, 0)
+        self._leave_reason(reason)
+        if silent_peer is not None:
+            # mp.spawn ends the others with SIGTERM, and waits 30 s for them before SIGKILL: a
+            # stopped process (SIGSTOP) acts on SIGTERM once it runs again. Every rank of
+            # mp.spawn is on this machine.
+            with contextlib.suppress(OSError, KeyError):
+                os.kill(self.claims[silent_peer]["pid"], signal.SIGCONT)
+        self.end(None, 1)
+
+    def _leave_reason(self, reason):
+        from .launch import leave_reason
+        leave_reason(self.args, self.rank, reason)
+
+    # --------- The end --------------------
+
+    def stop(self, line, status):
+        """End this rank with `line`, but silently where mp.spawn started every rank: there the
+        command says the run's last line (launch.py)."""
+        self.end(None if self.spawn_all else line, status)
+
+    def end(self, line, status):
+        """End this rank now, `line` its terminal's last (None: nothing to say). The rank goes
+        quiet first: what its threads print from now on (RPC's errors of the calls that meet a
+        lost peer, a line of the example's loop) goes nowhere. The connections to the peers
+        close next, so that they learn from them, not from a failed RPC, that this rank has
+        gone; then its --profile trace is written (3 s at most). os._exit: a normal exit would
+        wait for torch's RPC threads, which wait for peers that are gone. A second caller
+        (another thread ending it for another reason meanwhile) waits for the first to end
+        the process."""
+        if not self.ending.acquire(blocking=False):
+            threading.Event().wait()
+        _quiet()
+        for sock in self.peers.values():
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        if self.profile:
+            self._say(self.profile.end(seconds=3.0))
+        self._say(line)
+        if self.peers:
+            time.sleep(0.25)  # the peers read the closed connections while RPC's are still up
+        os._exit(status)
+
+    def _say(self, line):
+        if line:
+            os.write(self.terminal, (line + "\n").encode())
+
+
+def _do_nothing(number, frame):
+    pass
+
+
+def _quiet():
+    """What this process has printed reaches its terminal; from now on, what it prints goes
+    nowhere."""
+    with contextlib.suppress(ValueError, OSError):  # a stream closed or broken meanwhile
+        sys.stdout.flush()
+        sys.stderr.flush()
+    nowhere = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(nowhere, 1)
+    os.dup2(nowhere, 2)
+    os.close(nowhere)
+
+
+def current():
+    """This process's Rank, or None before the join."""
+    return _this
+
+
+def end(line, status):
+    """End this rank now (Rank.end), `line` its last."""
+    _this.end(line, status)
+
+
+def say(line):
+    """A line on this rank's terminal now, ahead of its end."""
+    sys.stdout.flush()
+    _this._say(line)
+
+
+# --------- At the join --------------------
 
 def install(args, rank):
-    """The handlers this rank installs at the join (the module's docstring lists them)."""
-    global _args, _rank, _name, _stderr
-    _args, _rank, _name = args, rank, args.harness.names[rank]
-    _stderr = os.dup(sys.stderr.fileno())
-    _end_on_signals()
+    """What this rank sets up at the join, on its main thread (README: "What the harness
+    changes"): its state and its loop; the end of the rank with the command that started it;
+    its share of the cores; whole lines; two warnings of torch's left out; and at_the_end()."""
+    global _this
+    _this = Rank(args, rank)
+    _this.start()
     if not args.harness.spawn_all:
         _end_with_the_command()
     if not os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(args.harness.threads[rank])
-    _whole_lines()
+    whole_lines()
     _leave_out_known_warnings()
     # Called by multiprocessing in the rank's process as soon as the rank's function returns or
     # raises (and before the traceback of an exception is printed); at exit otherwise.
     multiprocessing.util.Finalize(None, at_the_end, exitpriority=10)
+    return _this
+
+
+def joined(store, claims, profile, peers):
+    """The join is done: the store, every rank's claim, --profile's recorder (or None), and the
+    peers' connections."""
+    _this.store = store
+    _this.claims = claims
+    _this.profile = profile
+    _this.watch(peers)
 
 
 def threads_line():
@@ -75,63 +407,24 @@ def threads_line():
     threads = torch.get_num_threads()
     if os.environ.get("OMP_NUM_THREADS"):
         return f"{threads} thread(s), as OMP_NUM_THREADS says"
-    if _rank in _args.harness.computes:
+    if _this.rank in _this.args.harness.computes:
         return f"{threads} thread(s), its share of {CORES} core(s) (OMP_NUM_THREADS to change)"
     return f"{threads} thread, as it computes little (OMP_NUM_THREADS to change)"
 
 
-def _whole_lines():
+def whole_lines():
     """Each line written whole, in one write: under python -u (PYTHONUNBUFFERED), print("a", 1)
-    writes "a", " ", "1" and the newline separately, and two ranks' lines run into each other."""
+    writes "a", " ", "1" and the newline separately, and two processes' lines run into each
+    other."""
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=False)
-
-
-def _end_on_signals():
-    """SIGINT (Ctrl-C) and SIGTERM end the rank at once, with 128 + the signal's number, its
-    --profile trace written first; one line, unless mp.spawn started every rank (then the
-    command says it). A Python handler would run only once the main thread is back from torch's
-    C++ code: the signal's number goes down a pipe to a thread instead."""
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)
-    signal.set_wakeup_fd(write_end)
-    for number in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(number, _do_nothing)
-    thread = threading.Thread(target=_wait_for_a_signal, args=(read_end,), daemon=True,
-                              name="rpc_harness signals")
-    thread.start()
-
-
-def _do_nothing(number, frame):
-    pass
-
-
-def _wait_for_a_signal(pipe):
-    while True:
-        number = os.read(pipe, 1)[0]
-        if number in (signal.SIGINT, signal.SIGTERM):
-            break
-    line = f"{_name}: interrupted"
-    if number == signal.SIGTERM:
-        line += " (SIGTERM)"
-    parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:  # the death signal of _end_with_...
-        line = f"{_name}: the command that started this rank has ended; stopping"
-    end(None if _args.harness.spawn_all else line, 128 + number)
 
 
 def _end_with_the_command():
     """A rank that mp.Process started gets SIGTERM when the command that started it dies, as
     mp.spawn's ranks get SIGINT (Linux's PR_SET_PDEATHSIG): no rank runs on, unseen."""
-    parent = multiprocessing.parent_process()
-    if parent is None or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() != parent.pid:  # the command was gone before that
-        end(f"{_name}: the command that started this rank is gone", 1)
+    if multiprocessing.parent_process() is not None:
+        signal_when_the_parent_dies(signal.SIGTERM)
 
 
 def _leave_out_known_warnings():
@@ -149,114 +442,36 @@ def _leave_out_known_warnings():
     warnings.showwarning = show_unless_torchscript_optimizer
 
 
-# --------- The watch over the peers --------------------
+# --------- What the example calls --------------------
 
-def watch(peers):
-    """Start watching `peers` (rank -> connection) from a thread of its own."""
-    _peers.update(peers)
-    thread = threading.Thread(target=_watch, daemon=True, name="rpc_harness watch")
-    thread.start()
+def profile_step():
+    """Not in the tutorials: one step of a looping rank, for --profile's window."""
+    if _this is not None and _this.profile:
+        _this.profile.step()
 
-
-def _watch():
-    """Say "." to every peer every second, and read what they say: ".", "bye <figures>",
-    "gone <rank>" (from rank 0), or a closed connection."""
-    connections = {sock: rank for rank, sock in _peers.items()}
-    heard = dict.fromkeys(_peers, time.monotonic())
-    unread = dict.fromkeys(connections, b"")
-    next_beat = 0.0
-    last_turn = time.monotonic()
-    while connections:
-        if time.monotonic() - last_turn > 3 * HEARTBEAT_SECONDS:
-            # This process was stopped (SIGSTOP, a suspended laptop): the peers' silence is its
-            # own. What they said meanwhile is read first.
-            heard = dict.fromkeys(heard, time.monotonic())
-        last_turn = time.monotonic()
-        if time.monotonic() >= next_beat:
-            profiling.beat()
-            _send_to_all(b".\n")
-            next_beat = time.monotonic() + HEARTBEAT_SECONDS
-        readable = select.select(list(connections), [], [], HEARTBEAT_SECONDS)[0]
-        for sock in readable:
-            rank = connections[sock]
-            data = b""
-            with contextlib.suppress(OSError):  # a reset connection counts as closed
-                data = sock.recv(65536)
-            if not data:
-                del connections[sock]
-                if rank not in _byes and not _said_bye.is_set():
-                    _peer_lost(rank, "its connection closed")
-                continue
-            heard[rank] = time.monotonic()
-            lines = (unread[sock] + data).split(b"\n")
-            unread[sock] = lines.pop()
-            for line in lines:
-                _read(rank, line)
-        for rank in connections.values():
-            silent = time.monotonic() - heard[rank]
-            if rank not in _byes and silent > _args.rpc_timeout:
-                _peer_lost(rank, f"silent for {_args.rpc_timeout:g} s (--rpc_timeout)")
-
-
-def _read(rank, line):
-    """One line from a peer."""
-    if line.startswith(b"bye"):
-        with _byes_changed:
-            _byes[rank] = json.loads(line[4:] or b"{}")
-            _byes_changed.notify_all()
-    elif line.startswith(b"gone "):
-        gone = int(line[5:])
-        rank_0 = f"{_args.harness.names[0]} (rank 0)"
-        if gone == _rank:  # this rank was stopped (SIGSTOP, say) for longer than rank 0 waits
-            end(f"{_name}: {rank_0} gave up on this rank, which it had not heard from for "
-                f"{_args.rpc_timeout:g} s (--rpc_timeout); stopping", 1)
-        _peer_lost(gone, f"as {rank_0} saw")
-
-
-def _send_to_all(message):
-    for sock in list(_peers.values()):
-        with contextlib.suppress(OSError):  # a peer that is gone, which the watch finds
-            sock.sendall(message)
-
-
-def _peer_lost(rank, how):
-    """Tell the others (rank 0) and end this rank in one line. When mp.spawn started every
-    rank and the peer's process is gone, end at once without a word and with status 0: mp.spawn
-    names the rank that went first, in one line, and a status of 0 keeps this rank from passing
-    for it."""
-    if _lost.is_set() or _ending.locked():
-        return
-    _quiet()  # first: RPC's threads print the errors of the calls that met the peer
-    _lost.set()
-    _send_to_all(f"gone {rank}\n".encode())
-    if _args.harness.spawn_all and not how.startswith("silent"):
-        end(None, 0)
-    end(f"{_name}: lost contact with {_args.harness.names[rank]} (rank {rank}, {how}); "
-        "stopping", 1)
-
-
-# --------- The end --------------------
 
 def report(**figures):
     """Not in the tutorials: figures for the run's summary, which rank 0 writes at the end."""
-    _figures.update(figures)
+    if _this is not None:
+        _this.figures.update(figures)
 
 
 def at_the_end():
-    """Run when the rank's function has returned or raised. Done (RPC shut down, no process
-    group left): finish, and end the process at once (os._exit(0)): Python's and torch's
-    teardown of a rank took 1.3 s of a 2-rank run on 2 cores. Failed: if a peer is gone, or
-    goes within two heartbeats, that is the cause, and the watch ends the rank with its line;
-    otherwise the failure is printed as Python prints it."""
-    if _args is None:
+    """Run when the rank's function has returned or raised. Done (it returned, RPC shut down,
+    no process group left): finish, and end the process at once (os._exit(0)): Python's and
+    torch's teardown of a rank took 1.3 s of a 2-rank run on 2 cores. Failed: Rank.fail."""
+    if _this is None:
         return
-    if not _rpc_running() and not dist.is_initialized():
-        _finish()
-        sys.stdout.flush()
-        sys.stderr.flush()
+    error = sys.exc_info()[1]  # the exception on its way out of the rank's function, if any
+    if isinstance(error, SystemExit) and error.code in (None, 0):
+        error = None
+    if error is None and not _rpc_running() and not dist.is_initialized():
+        _this.finish()
+        with contextlib.suppress(ValueError, OSError):
+            sys.stdout.flush()
+            sys.stderr.flush()
         os._exit(0)
-    elif _peers and _lost.wait(2 * HEARTBEAT_SECONDS):
-        threading.Event().wait()  # the watch thread ends the process
+    _this.fail(error)
 
 
 def _rpc_running():
@@ -267,27 +482,10 @@ def _rpc_running():
     return True
 
 
-def _finish():
-    """Write the trace, say "bye" with this rank's figures; rank 0 waits for every other rank's
-    (BYE_SECONDS at most), then merges the traces and writes the summary."""
-    profiling.end()
-    report(peak_memory_mb=_peak_memory_mb())
-    if _rank != 0:
-        _said_bye.set()
-        _send_to_all(b"bye " + json.dumps(_figures).encode() + b"\n")
-        return
-    with _byes_changed:
-        _byes_changed.wait_for(lambda: len(_byes) == len(_peers), timeout=BYE_SECONDS)
-        figures_by_rank = {0: dict(_figures), **_byes}
-    _said_bye.set()
-    profiling.write_timeline_of_every_rank(_args.harness.names)
-    _write_summary(figures_by_rank)
-
-
-def _write_summary(figures_by_rank):
+def write_summary(args, figures_by_rank):
     """Print the summary line and write --summary_json; if a rank's figures never came, say
     whose, instead."""
-    names = _args.harness.names
+    names = args.harness.names
     missing = [f"{names[rank]} (rank {rank})" for rank in range(len(names))
                if rank not in figures_by_rank]
     if missing:
@@ -301,14 +499,14 @@ def _write_summary(figures_by_rank):
         memory[names[rank]] = figures.pop("peak_memory_mb", None)
         if figures:
             reports[names[rank]] = figures
-    if _args.harness.summary is None:
+    if args.harness.summary is None:
         return
-    summary, line = _args.harness.summary(_args, reports)
+    summary, line = args.harness.summary(args, reports)
     summary["peak_memory_mb"] = memory
-    summary["wall_seconds"] = round(time.time() - _args.harness.started, 3)
+    summary["wall_seconds"] = round(time.time() - args.harness.started, 3)
     print(f"Summary: {line}; {summary['wall_seconds']:.1f} s in all")
-    if _args.summary_json:
-        Path(_args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
+    if args.summary_json:
+        Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def _peak_memory_mb():
@@ -320,41 +518,3 @@ def _peak_memory_mb():
         peak["cuda"] = torch.cuda.max_memory_allocated() // 2**20
     return peak
 
-
-def end(line, status):
-    """End this rank now, with `line` on stderr if any, and quiet after it: RPC's threads print
-    the errors of calls that meet a lost peer meanwhile. The connections to the peers close
-    first, so that they learn from them, not from a failed RPC, that this rank has gone; then
-    its --profile trace is written (3 s at most). os._exit: a normal exit would wait for torch's
-    RPC threads, which wait for peers that are gone. A second caller (another thread ending it
-    for another reason meanwhile) waits for the first to end the process."""
-    if not _ending.acquire(blocking=False):
-        threading.Event().wait()
-    sys.stdout.flush()
-    if line:
-        _say(line)
-    _quiet()
-    for sock in _peers.values():
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
-    if _peers:
-        time.sleep(0.25)  # the peers read the closed connections while RPC's are still up
-    profiling.end(seconds=3.0)
-    sys.stdout.flush()
-    os._exit(status)
-
-
-def _say(line):
-    """One line on this rank's stderr, even once it is quiet."""
-    if _stderr is None:
-        print(line, file=sys.stderr, flush=True)
-    else:
-        sys.stderr.flush()
-        os.write(_stderr, (line + "\n").encode())
-
-
-def _quiet():
-    """From now on, what this process writes to stderr goes nowhere."""
-    sys.stderr.flush()
-    with open(os.devnull, "w") as nowhere:
-        os.dup2(nowhere.fileno(), sys.stderr.fileno())

@@ -3,7 +3,8 @@ that torch calls for "harness://" (torch's extension point for an init_method sc
 call joins every rank where MASTER_ADDR and MASTER_PORT say, as env:// does: rank 0 hosts the
 store there (torchrun's agent hosts it under torchrun), each rank claims its rank with its flags,
 and every rank waits, up to --init_timeout, for every claim. Flags that differ, a rank taken
-twice, or ranks that never come end every rank that is there, in one line."""
+twice, or ranks that never come end every rank that is there, in one line. Then each rank
+connects to rank 0 for the watch (rank.py), and the join installs what rank.install() lists."""
 
 import datetime
 import ipaddress
@@ -26,12 +27,14 @@ SCHEME = "harness"
 INIT_METHOD = f"{SCHEME}://"
 _KEYS = "rpc_harness/"  # the prefix of this harness's keys in the store (torchrun's has others)
 POLL_SECONDS = 0.05  # the store wakes no client when a key appears: claims are polled
+# How long rank 0, which holds the store, stays after the verdict for the ranks that are there
+# to read it, once its own --init_timeout has passed (they poll every POLL_SECONDS).
+READ_SECONDS = 5.0
 
-_args = None  # this rank's command line, from options() or init_method()
-_store = None  # the store, once this rank has joined
-_registered = False  # the handler, with torch
-
-
+# The command line that options() or init_method() was given, for the handler, which torch
+# calls with the URL alone; and whether the handler is registered with torch.
+_args = None
+_registered = False
 def options(args, num_worker_threads=16):
     """init_rpc's rpc_backend_options: TensorPipe's, meeting through this harness, with
     --rpc_timeout, and TCP alone between ranks of one machine if --rpc_transport says tcp."""
@@ -63,28 +66,30 @@ def _rendezvous(url, timeout=None, **kwargs):
     group of the trainers alone, before init_rpc)."""
     query = dict(pair.split("=") for pair in url.partition("?")[2].split("&"))
     this_rank, world_size = int(query["rank"]), int(query["world_size"])
-    if _store is None:
-        _join(this_rank, _args.world_size)
-    yield _store, this_rank, world_size
+    this = rank.current()
+    if this is None:
+        this = _join(this_rank, _args.world_size)
+    yield this.store, this_rank, world_size
 
 
 def _join(this_rank, world_size):
-    global _store
+    """Join every rank of the world; this rank's state (rank.Rank), its store, --profile and
+    its watch set up."""
     args = _args
-    name = args.harness.names[this_rank]
+    this = rank.install(args, this_rank)
+    name = this.name
     addr = os.environ["MASTER_ADDR"]
     port = int(os.environ["MASTER_PORT"])
     where = f"{addr}:{port}"
-    rank.install(args, this_rank)
     if not args.harness.spawn_all:
         print(f"{name} (rank {this_rank} of {world_size}): waiting for the other ranks at "
               f"{where}, up to {args.init_timeout:g} s")
     deadline = time.monotonic() + args.init_timeout
     _choose_network_interface(addr)
     watch_socket = listen(addr, 0) if this_rank == 0 else None  # where the others reach rank 0
-    _store = _open_store(args, this_rank, addr, port)
+    store = _open_store(args, this_rank, addr, port, deadline)
     token = secrets.token_hex(8)
-    claims = _meet(this_rank, world_size, watch_socket, token, deadline, where)
+    claims = _meet(store, this_rank, world_size, watch_socket, token, deadline, where)
     try:
         if this_rank == 0:
             peers = _accept_peers(watch_socket, claims, deadline)
@@ -93,12 +98,16 @@ def _join(this_rank, world_size):
     except OSError as err:  # a rank, or rank 0, went away meanwhile
         rank.end(f"{name}: lost a rank while joining at {where} ({err})", 1)
     print(f"{name}: joined the other {world_size - 1} rank(s); {rank.threads_line()}")
-    rank_0 = claims[0]
-    profiling.begin(args, this_rank, name, _store, f"{rank_0['host']}:{rank_0['pid']}")
-    rank.watch(peers)
+    profile = None
+    if getattr(args, "profile", None) and args.harness.loops is not None:
+        rank_0 = claims[0]
+        profile = profiling.Profile(args, this_rank, name, store,
+                                    f"{rank_0['host']}:{rank_0['pid']}")
+    rank.joined(store, claims, profile, peers)
+    return this
 
 
-def _open_store(args, this_rank, addr, port):
+def _open_store(args, this_rank, addr, port, deadline):
     """Rank 0 hosts the store (but under torchrun, whose agent does); the others reach it,
     waiting up to --init_timeout for it to come."""
     name = args.harness.names[this_rank]
@@ -111,22 +120,23 @@ def _open_store(args, this_rank, addr, port):
         return dist.TCPStore(addr, port, is_master=False, timeout=timeout)
     except OSError as err:  # rank 0's port, taken since the command line was checked
         rank.end(f"{name}: cannot listen on {where} ({err.strerror})", 2)
-    except RuntimeError as err:
-        # On torch 2.4 a signal cuts the client's wait short with an error: then the signal's
-        # own thread ends the rank, with its line and status, within this second.
+    except RuntimeError as err:  # torch's DistNetworkError, for a timeout or anything else
+        # On torch 2.4 a signal cuts the client's wait short with an error: then the rank's
+        # loop ends the rank, with its line and status, within this second.
         time.sleep(1)
-        message = str(err).splitlines()[0] if str(err) else type(err).__name__
-        if "timed out" in message:
+        if time.monotonic() >= deadline - 1.0:  # the client tried until --init_timeout
             rank.end(f"{name}: {rank_0} did not come: nothing answered at {where} within "
                      f"{args.init_timeout:g} s (--init_timeout); start it with the same flags", 1)
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
         rank.end(f"{name}: cannot reach {rank_0}'s store at {where} ({message})", 1)
 
 
-def _meet(this_rank, world_size, watch_socket, token, deadline, where):
+def _meet(store, this_rank, world_size, watch_socket, token, deadline, where):
     """Claim this rank, then wait for every rank's claim. The first to see flags that differ
-    from rank 0's, or the deadline pass with ranks missing, writes the verdict; every rank that
+    from rank 0's, or its deadline pass with ranks missing, writes the verdict; every rank that
     reads it ends with it. Rank 0's process holds the store, so it stays until every rank has
-    read the verdict, or its deadline has passed."""
+    read the verdict, or until its deadline has passed and every rank that came has read it
+    (READ_SECONDS at most after the verdict)."""
     args = _args
     names = args.harness.names
     world = range(world_size)
@@ -134,37 +144,35 @@ def _meet(this_rank, world_size, watch_socket, token, deadline, where):
             "host": socket.gethostname(), "token": token,
             "port": watch_socket.getsockname()[1] if watch_socket else None}
     try:
-        _claim(this_rank, json.dumps(mine))
+        _claim(store, this_rank, json.dumps(mine))
         claims = {}
         verdict = None
         while verdict is None:
             for other in world:
                 key = f"{_KEYS}rank{other}"
-                if other not in claims and _store.check([key]):
-                    claims[other] = json.loads(_store.get(key))
-            if _store.check([f"{_KEYS}verdict"]):
-                verdict = _store.get(f"{_KEYS}verdict")
+                if other not in claims and store.check([key]):
+                    claims[other] = json.loads(store.get(key))
+            if store.check([f"{_KEYS}verdict"]):
+                verdict = store.get(f"{_KEYS}verdict")
                 break
             difference = _differences(claims) if 0 in claims else ""
             missing = [f"{names[other]} (rank {other})" for other in world if other not in claims]
             if difference:
-                verdict = _decide(2, difference)
+                verdict = _decide(store, 2, difference)
             elif not missing:
                 return claims
             elif time.monotonic() > deadline:
                 them = "them" if len(missing) > 1 else "it"
-                verdict = _decide(1, f"{', '.join(missing)} did not join at {where} within "
-                                     f"{args.init_timeout:g} s (--init_timeout); start {them} "
-                                     "with the same flags")
+                verdict = _decide(store, 1, f"{', '.join(missing)} did not join at {where} "
+                                            f"within {args.init_timeout:g} s (--init_timeout); "
+                                            f"start {them} with the same flags")
             else:
                 time.sleep(POLL_SECONDS)
-        read = _store.add(f"{_KEYS}read the verdict", 1)
+        store.add(f"{_KEYS}read the verdict", 1)
         status, message = json.loads(verdict)
         if this_rank == 0:
-            print(f"{names[0]}: {message}", file=sys.stderr, flush=True)
-            while read < world_size and time.monotonic() < deadline:
-                time.sleep(POLL_SECONDS)
-                read = _store.add(f"{_KEYS}read the verdict", 0)
+            rank.say(f"{names[0]}: {message}")
+            _stay_until_the_verdict_is_read(store, world_size, deadline)
             rank.end(None, status)
     except RuntimeError as err:  # the store went away: rank 0 ended meanwhile
         rank.end(f"{names[this_rank]}: {names[0]} (rank 0) went away while the ranks were "
@@ -172,23 +180,35 @@ def _meet(this_rank, world_size, watch_socket, token, deadline, where):
     rank.end(f"{names[this_rank]}: {message}", status)
 
 
-def _decide(status, message):
+def _stay_until_the_verdict_is_read(store, world_size, deadline):
+    """Rank 0, which holds the store: until every rank has read the verdict, or, once its
+    deadline has passed, every rank that came (READ_SECONDS at most after that)."""
+    last = max(deadline, time.monotonic()) + READ_SECONDS
+    while time.monotonic() < last:
+        read = store.add(f"{_KEYS}read the verdict", 0)
+        came = sum(store.check([f"{_KEYS}rank{other}"]) for other in range(world_size))
+        if read >= world_size or (read >= came and time.monotonic() > deadline):
+            return
+        time.sleep(POLL_SECONDS)
+
+
+def _decide(store, status, message):
     """Write the verdict unless another rank wrote one first; the verdict that stands."""
-    return _store.compare_set(f"{_KEYS}verdict", "", json.dumps([status, message]))
+    return store.compare_set(f"{_KEYS}verdict", "", json.dumps([status, message]))
 
 
-def _claim(this_rank, mine):
+def _claim(store, this_rank, mine):
     """Take this rank's key, unless a live process holds it (on Linux, a holder on this machine
     that has gone is replaced: a rank started again after it was killed)."""
     key = f"{_KEYS}rank{this_rank}"
-    held = _store.compare_set(key, "", mine).decode()
+    held = store.compare_set(key, "", mine).decode()
     if held == mine:
         return
     holder = json.loads(held)
     gone = (holder["host"] == socket.gethostname() and sys.platform.startswith("linux")
             and not Path(f"/proc/{holder['pid']}").exists())
     if gone:
-        held = _store.compare_set(key, held, mine).decode()
+        held = store.compare_set(key, held, mine).decode()
         if held == mine:
             return
         holder = json.loads(held)
@@ -240,7 +260,7 @@ def _accept_peers(watch_socket, claims, deadline):
             words = []
         claimed = int(words[0]) if len(words) == 2 and words[0].isdigit() else None
         if (claimed in claims and claimed != 0 and claimed not in peers
-                and words[1].decode() == claims[claimed]["token"]):
+                and words[1] == claims[claimed]["token"].encode()):
             sock.settimeout(None)
             peers[claimed] = sock
         else:
