@@ -62,6 +62,7 @@ class ParameterServer(Actor):
         self.gradients = 0
         self.short_updates = 0
         self.trainers_started = 0
+        self.batches_tested = 0  # not in batch.py: the trainers' evaluation, as progress
         # Not in batch.py: --profile's window, model versions 3 to 2 + --profile_steps.
         self.recorder = monarch_runs.Recorder(args, 0, "parameter_server")
 
@@ -113,11 +114,18 @@ class ParameterServer(Actor):
             self.recorder.stop()  # a run shorter than --profile's window
 
     @endpoint
+    def tested_a_batch(self):
+        """Not in batch.py: a trainer measured its accuracy on one more test batch (one-way:
+        broadcast). The controller reads it as progress, which bounds its wait."""
+        self.batches_tested += 1
+
+    @endpoint
     def figures(self):
         """What the summary reports of the server, and its process's peak memory."""
         return {"batch_update_size": self.batch_update_size, "model_versions": self.versions,
                 "gradients": self.gradients, "short_updates": self.short_updates,
                 "trainers_started": self.trainers_started,
+                "trainers_left": self.trainers_left, "batches_tested": self.batches_tested,
                 "peak_memory_mb": monarch_runs.peak_memory_mb()}
 
 
@@ -176,16 +184,31 @@ class Trainer(Actor):
         self.get(self.ps.trainer_done.call_one())
         print("Training complete!", flush=True)
         print("Getting accuracy....", flush=True)
-        accuracy = get_accuracy(self.test_loader, m.cpu())
+        accuracy = get_accuracy(TellingLoader(self.test_loader, self.ps), m.cpu())
         return {"accuracy": accuracy, "batches": i + 1, "train_seconds": round(train_seconds, 3),
                 "peak_memory_mb": monarch_runs.peak_memory_mb()}
+
+
+class TellingLoader:
+    """Not in batch.py: a trainer's test loader, which tells the parameter server of each batch
+    it hands out (tested_a_batch), for get_accuracy (main.py's), which reads its dataset too."""
+
+    def __init__(self, loader, ps):
+        self.loader = loader
+        self.dataset = loader.dataset
+        self.ps = ps
+
+    def __iter__(self):
+        for batch in self.loader:
+            self.ps.tested_a_batch.broadcast()
+            yield batch
 
 
 def wait_while_gradients_come(training, ps, trainers_count, args):
     """The trainers' answers. Training takes as long as it takes, so the wait is bounded by
     progress instead: every trainer must fetch its first model within --init_timeout (its
-    process starts, imports torch and makes its data first), then a gradient must reach the
-    parameter server every --call_timeout seconds."""
+    process starts, imports torch and makes its data first), then a gradient, or once training
+    is over a tested batch, must reach the parameter server every --call_timeout seconds."""
     progress = None
     silent_since = time.monotonic()
     while True:
@@ -196,7 +219,8 @@ def wait_while_gradients_come(training, ps, trainers_count, args):
         figures = monarch_runs.get(ps.figures.call_one(), args.call_timeout,
                                    "the parameter server")
         started = figures["trainers_started"]
-        now = (started, figures["gradients"])
+        now = (started, figures["gradients"], figures["trainers_left"],
+               figures["batches_tested"])
         if now != progress:
             progress = now
             silent_since = time.monotonic()
@@ -206,16 +230,19 @@ def wait_while_gradients_come(training, ps, trainers_count, args):
             raise TimeoutError(f"{trainers_count - started} trainer(s) did not start within "
                                f"{args.init_timeout:g} s (--init_timeout)")
         if started == trainers_count and silent > args.call_timeout:
-            raise TimeoutError(f"no gradient reached the parameter server within "
+            what = "gradient" if figures["trainers_left"] else "tested batch"
+            raise TimeoutError(f"no {what} reached the parameter server within "
                                f"{args.call_timeout:g} s (--call_timeout)")
 
 
 def setup_process(threads):
     """Runs first in every actor process (spawn_procs' bootstrap): the modules beside this file
-    importable there too (a child process starts in this command's working folder), and the
-    process's share of the cores (torch would take them all in every process)."""
+    importable there too (a child process starts in this command's working folder), the
+    process's share of the cores (torch would take them all in every process), and each line
+    it prints written whole (monarch_runs.whole_lines)."""
     sys.path.insert(0, str(HERE))
     torch.set_num_threads(threads)
+    monarch_runs.whole_lines()
 
 
 def main(args):
@@ -245,13 +272,16 @@ def main(args):
         memory[name] = figures.pop("peak_memory_mb")
         reports[name] = figures
     memory["parameter_server (controller)"] = ps_figures.pop("peak_memory_mb")
+    for progress_only in ("trainers_left", "batches_tested"):  # the wait's, not the summary's
+        ps_figures.pop(progress_only)
     summary, line = write_tutorial_summary(
         args, reports, "monarch", ps_figures,
         f", {ps_figures['model_versions']} model versions of "
         f"{ps_figures['batch_update_size']} gradients")
     monarch_runs.write_timeline(args, ["parameter_server", *reports])
+    # The trainers' processes stop, within --init_timeout; then the run's last line.
+    monarch_runs.get(trainer_procs.stop(), args.init_timeout, "the trainers' processes")
     monarch_runs.write_summary(args, summary, line, memory)
-    monarch_runs.get(trainer_procs.stop(), args.call_timeout, "the trainers' processes")
 
 
 def parse_args(argv=None):
@@ -259,8 +289,8 @@ def parse_args(argv=None):
     Monarch's bounds on waiting. Bad input ends the command here in one line (status 2)."""
     parser = monarch_runs.ArgumentParser(
         description="batch.py's parameter server as Monarch actors: this command, the "
-                    "controller, starts a parameter-server actor and a mesh of trainer actors "
-                    "in processes of their own.")
+                    "controller, holds the parameter-server actor and starts a mesh of trainer "
+                    "actors, one in each process of its own.")
     parser.add_argument("--world_size", "--world-size", type=monarch_runs.int_at_least(2),
                         default=4, metavar="N",
                         help="processes: this command's, which holds the parameter server, and "
@@ -286,7 +316,11 @@ def parse_args(argv=None):
 
 if __name__ == "__main__":
     args = parse_args()
-    # Not in Monarch's examples: a failed or killed actor process, or Ctrl-C, end this command
-    # and every process it started, in one line (README.md: "What the harness changes").
+    # Not in Monarch's examples: each line this process prints written whole, as in every
+    # actor's process (setup_process), so that two processes' lines never run into one.
+    monarch_runs.whole_lines()
+    # Not in Monarch's examples: a failed or killed actor process, an endpoint's error, Ctrl-C
+    # or SIGTERM end this command and every process it started, in one line (README.md: "What
+    # the harness changes").
     with monarch_runs.one_line_on_failure(role="trainer"):
         main(args)

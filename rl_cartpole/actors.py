@@ -141,10 +141,12 @@ def profile(agent, observers, endpoint_name, timeout):
 
 def setup_process():
     """Runs first in every observer's process (spawn_procs' bootstrap): main.py importable there
-    too (a child process starts in this command's working folder), and one thread (a policy this
-    small gains nothing from more, as in main.py)."""
+    too (a child process starts in this command's working folder), one thread (a policy this
+    small gains nothing from more, as in main.py), and each line it prints written whole
+    (monarch_runs.whole_lines)."""
     sys.path.insert(0, str(HERE))
     torch.set_num_threads(1)
+    monarch_runs.whole_lines()
 
 
 def main(args):
@@ -199,8 +201,9 @@ def main(args):
     line = (f"{i_episode} episodes, {'solved' if figures['solved'] else 'not solved'}, "
             f"running reward {running_reward:.2f}, {figures['env_steps']} environment steps at "
             f"{steps_per_second:.1f} steps/s")
+    # The observers' processes stop, within --init_timeout; then the run's last line.
+    monarch_runs.get(observer_procs.stop(), args.init_timeout, "the observers' processes")
     monarch_runs.write_summary(args, summary, line, memory)
-    monarch_runs.get(observer_procs.stop(), timeout, "the observers' processes")
 
 
 def parse_args(argv=None):
@@ -229,7 +232,11 @@ def parse_args(argv=None):
 
 if __name__ == "__main__":
     args = parse_args()
-    # Not in Monarch's examples: a failed or killed actor process, or Ctrl-C, end this command
-    # and every process it started, in one line (README.md: "What the harness changes").
+    # Not in Monarch's examples: each line this process prints written whole, as in every
+    # actor's process (setup_process), so that two processes' lines never run into one.
+    monarch_runs.whole_lines()
+    # Not in Monarch's examples: a failed or killed actor process, an endpoint's error, Ctrl-C
+    # or SIGTERM end this command and every process it started, in one line (README.md: "What
+    # the harness changes").
     with monarch_runs.one_line_on_failure(role="observer"):
         main(args)

@@ -15,18 +15,29 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 from . import profiling
-from .cli import CORES, ArgumentParser, check_folder, int_at_least, positive_float, unit_interval
+from .cli import (
+    CORES,
+    ArgumentParser,
+    check_folder,
+    int_at_least,
+    omp_num_threads,
+    positive_float,
+    signal_name,
+    unit_interval,
+)
 from .compat import profiler_options
+from .rank import whole_lines
 
 __all__ = ["ArgumentParser", "int_at_least", "positive_float", "unit_interval",
            "import_monarch", "get", "add_arguments", "check_args", "threads_each",
            "peak_memory_mb", "write_summary", "Recorder", "write_timeline",
-           "one_line_on_failure"]
+           "one_line_on_failure", "whole_lines"]
 
 # The summary's seconds count from here, as the program imports this module (after torch).
 STARTED = time.time()
@@ -47,11 +58,24 @@ def import_monarch():
     except ModuleNotFoundError as err:
         if err.name is None or not err.name.startswith("monarch"):
             raise
-        print(f"{Path(sys.argv[0]).name}: error: Monarch is missing: `pip install "
-              "torchmonarch` (Linux, Python 3.10 to 3.13), or `make run` in the repository's "
-              "folder", file=sys.stderr)
+        print(f"{Path(sys.argv[0]).name}: error: {monarch_missing()}", file=sys.stderr)
         sys.exit(2)
     return monarch
+
+
+def monarch_missing():
+    """Why Monarch is not here, and what to do: its package, torchmonarch, has wheels for Linux
+    and Python 3.10 to 3.13 only (requirements.txt installs it there)."""
+    python = "{}.{}".format(*sys.version_info[:2])
+    if not sys.platform.startswith("linux"):
+        return (f"Monarch (torchmonarch) runs on Linux only, not {sys.platform}; the RPC "
+                "programs beside this one run here")
+    if not (3, 10) <= sys.version_info[:2] <= (3, 13):
+        return (f"Monarch (torchmonarch) has no release for Python {python} (its wheels are "
+                "for 3.10 to 3.13): run this program with one of those; the RPC programs "
+                "beside it run here")
+    return ("Monarch is missing: `pip install torchmonarch`, or `make run` in the repository's "
+            "folder")
 
 
 def get(future, timeout, what):
@@ -73,7 +97,7 @@ def add_arguments(parser):
                         help="write the run's figures to this JSON file at the end")
     parser.add_argument("--init_timeout", "--init-timeout", type=positive_float, default=60.0,
                         metavar="SECONDS",
-                        help="longest wait for the actors' processes to start")
+                        help="longest wait for the actors' processes to start, or to stop")
     parser.add_argument("--call_timeout", "--call-timeout", type=positive_float, default=60.0,
                         metavar="SECONDS",
                         help="longest wait for any one answer of an actor")
@@ -86,9 +110,11 @@ def add_arguments(parser):
 
 
 def check_args(parser, args):
-    """What argparse cannot check: --profile's folder, made if missing (one line, status 2, if
-    it cannot be). With --profile, KINETO_LOG_LEVEL=6 unless set, in this process's environment,
-    which Monarch's processes inherit: the profiler's library logs each start and stop."""
+    """What argparse cannot check: OMP_NUM_THREADS, if set; --profile's folder, made if
+    missing (one line, status 2, if it cannot be). With --profile, KINETO_LOG_LEVEL=6 unless
+    set, in this process's environment, which Monarch's processes inherit: the profiler's
+    library logs each start and stop."""
+    omp_num_threads(parser)
     if args.profile:
         check_folder(parser, "--profile", args.profile)
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
@@ -99,7 +125,7 @@ def threads_each(computing):
     OMP_NUM_THREADS if set, else their share (at least one)."""
     fixed = os.environ.get("OMP_NUM_THREADS")
     if fixed:
-        return int(fixed)
+        return int(fixed.split(",")[0])  # a list: one number a level (check_args checked it)
     return max(1, CORES // computing)
 
 
@@ -190,7 +216,7 @@ def _describe(failure, role):
     killed = re.search(r"Killed\(sig=(\d+)\)", text)
     exited = re.search(r"exited with non-zero code (-?\d+)", text)
     if killed:
-        return f"{who} was killed by {signal.Signals(int(killed.group(1))).name}"
+        return f"{who} was killed by {signal_name(int(killed.group(1)))}"
     if exited:
         return f"{who} exited with status {exited.group(1)}"
     return f"{who} failed: {failure.report().strip().splitlines()[-1].strip()}"
@@ -198,7 +224,8 @@ def _describe(failure, role):
 
 @contextlib.contextmanager
 def one_line_on_failure(role):
-    """Run the program's body so that an expected failure ends the command in one line:
+    """Run the program's body so that an expected failure ends the command in one line, its
+    terminal's last:
 
     - an actor's process killed or failed (Monarch's supervision reports it to the controller,
       through monarch.actor.unhandled_fault_hook, Monarch's hook for it): "trainer2 was killed
@@ -207,11 +234,12 @@ def one_line_on_failure(role):
       ranks.
     - no answer within --call_timeout (a hung process, stopped with SIGSTOP say): one line,
       status 1.
-    - Ctrl-C: "interrupted", status 130.
+    - an error raised in an endpoint: the actor's traceback, then one line naming the
+      endpoint and the error, status 1.
+    - Ctrl-C: "interrupted; stopped every process", status 130; SIGTERM, 143.
 
-    Monarch ends every process the command started when the command ends, however it ends (its
-    processes die with their parent: PR_SET_PDEATHSIG). An error raised in an endpoint is not
-    expected: it is printed whole, with the actor's traceback, status 1."""
+    The command stops every process it started before its line (and Monarch ends them when the
+    command ends, however it ends: they die with their parent, PR_SET_PDEATHSIG)."""
     import monarch.actor
 
     def on_fault(failure):
@@ -220,39 +248,83 @@ def one_line_on_failure(role):
             line = _describe(failure, role)
         except Exception as err:  # noqa: BLE001 - the line, whatever the failure's text
             line = f"a process failed ({err})"
-        _fault.set()
         _end(f"{line}; stopped every process", 1)
 
     monarch.actor.unhandled_fault_hook = on_fault
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         yield
     except KeyboardInterrupt:
-        _end("interrupted", 130)
+        _end("interrupted; stopped every process", 130)
     except TimeoutError as err:
         _end(f"{err}; stopped every process", 1)
     except monarch.actor.ActorError as err:  # raised in an endpoint, which goes on serving
-        if not isinstance(err.exception, TimeoutError):
-            raise
-        _end(f"{err.message} {err.exception}; stopped every process", 1)
+        if isinstance(err.exception, TimeoutError):
+            _end(f"{err.message} {err.exception}; stopped every process", 1)
+        _wait_for_a_failed_process()
+        what = traceback.format_exception_only(type(err.exception), err.exception)[-1].strip()
+        _end(f"{err.message.rstrip('.')} ({what}); stopped every process", 1,
+             before=err.exception_formatted)
     except Exception:
         # A call to an actor whose process failed raises here (Monarch's SupervisionError) as
-        # the same failure reaches on_fault, which names the process: its line, if it comes
-        # within 2 s. Otherwise the error is not one of those expected: printed whole.
-        if _fault.wait(timeout=2):
-            _ending.acquire()  # on_fault is ending the process
+        # the same failure reaches on_fault, which names the process. Otherwise the error is
+        # not one of those expected: printed whole.
+        _wait_for_a_failed_process()
         raise
 
 
-# Set by on_fault, the hook that Monarch calls when a process it started fails.
-_fault = threading.Event()
-# The first to end the run says why; another cause found meanwhile waits, and is never printed.
+def _on_sigterm(number, frame):
+    _end("interrupted (SIGTERM); stopped every process", 128 + number)
+
+
+def _wait_for_a_failed_process():
+    """If on_fault is ending the command (its line names the process), wait for it: 2 s for
+    Monarch's supervision to report the failure, then for ever."""
+    if _ending_now.wait(timeout=2):
+        threading.Event().wait()
+
+
+# Held by the first thread to end the run, which says why; another cause found meanwhile waits,
+# and is never printed. _ending_now: set once that thread holds it.
 _ending = threading.Lock()
+_ending_now = threading.Event()
 
 
-def _end(line, status):
-    """Print the run's last line and end this process with `status` at once; Monarch's
-    processes die with it. Whichever thread comes first; a second waits for the end."""
-    _ending.acquire()
-    sys.stdout.flush()  # what the program printed so far, which os._exit would drop
-    print(line, file=sys.stderr, flush=True)
+def _end(line, status, before=None):
+    """End the run now: stop every process this command started, then print `before` (an
+    actor's traceback) and the run's last line, and end this process with `status`. Whichever
+    thread comes first; a second waits for the end."""
+    if not _ending.acquire(blocking=False):
+        threading.Event().wait()
+    _ending_now.set()
+    terminal = os.dup(2)
+    with contextlib.suppress(ValueError, OSError):
+        sys.stdout.flush()  # what the program printed so far, which os._exit would drop
+        sys.stderr.flush()
+    _stop_the_processes_started_here()
+    nowhere = os.open(os.devnull, os.O_WRONLY)  # this process's own threads: quiet from now on
+    os.dup2(nowhere, 1)
+    os.dup2(nowhere, 2)
+    text = (before.rstrip() + "\n" if before else "") + line + "\n"
+    os.write(terminal, text.encode())
     os._exit(status)
+
+
+def _stop_the_processes_started_here():
+    """SIGKILL every process this one started, and theirs: none prints after the run's last
+    line (they would die with this one a moment later)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                parents[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    ours = {os.getpid()}
+    grew = True
+    while grew:
+        found = {pid for pid, parent in parents.items() if parent in ours} - ours
+        grew = bool(found)
+        ours |= found
+    for pid in ours - {os.getpid()}:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
