@@ -4,7 +4,8 @@
 # `make test` the newest releases it allows, pinned in requirements-newest.txt, so that CI is
 # reproducible. A requirements file or pyproject.toml that changed is reinstalled (stamp files).
 # `make test-oldest`: on the oldest versions requirements.txt allows, in .venv-oldest
-# (requirements-oldest.txt pins them), every example's tests and the harness's quick ones.
+# (requirements-oldest.txt pins them), the quick tests, and every entry point end to end once
+# in each launch mode (tests/test_launch_modes.py).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -39,8 +40,8 @@ $(OLDEST)/.installed: requirements-oldest.txt requirements-dev.txt pyproject.tom
 	touch $@
 
 test-oldest: $(OLDEST)/.installed
-	$(OLDEST)/bin/python -m pytest --ignore=tests/test_harness.py
-	$(OLDEST)/bin/python -m pytest -m "not slow" tests/test_harness.py
+	$(OLDEST)/bin/python -m pytest -m "not slow"
+	$(OLDEST)/bin/python -m pytest tests/test_launch_modes.py
 
 # The parameter server trains on MNIST when it is in data/ or can be downloaded; otherwise
 # main.py exits 2 before starting any rank, and the tour runs it on the synthetic digits.

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,25 @@ ROOT = Path(__file__).resolve().parent.parent
 # process then gets SIGINT's default, as exec resets a handled signal.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# --------- Monarch, where it has wheels --------------------
+
+# torchmonarch's wheels are for Linux and Python 3.10 to 3.13 (requirements.txt's marker): on
+# another Python the Monarch programs' tests are skipped, saying why.
+WHY_NO_MONARCH = ("torchmonarch is not installed for this Python (its wheels: Linux, Python "
+                  "3.10 to 3.13)")
+
+
+def needs_monarch():
+    """Skip the test unless Monarch can be imported."""
+    pytest.importorskip("monarch.actor", reason=WHY_NO_MONARCH)
+
+
+def load_actors(example):
+    """<example>/actors.py as a module, or the test skipped where Monarch is missing."""
+    needs_monarch()
+    return load_example(example, "actors")
 
 
 # --------- Ports --------------------
@@ -78,9 +98,11 @@ def _processes(match):
 
 class Run:
     """One example process started in a session of its own, so that everything it starts can
-    be found, checked and cleaned up afterwards. Output goes to files (no pipe to fill up)."""
+    be found, checked and cleaned up afterwards. Output goes to files (no pipe to fill up);
+    merged: its standard error into its standard output's file, in the order a terminal shows
+    them (stderr is then empty)."""
 
-    def __init__(self, cmd, log_dir=None, env=None, cwd=None):
+    def __init__(self, cmd, log_dir=None, env=None, cwd=None, merged=False):
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="rpc-example-"))
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -95,7 +117,8 @@ class Run:
         self.started = time.monotonic()
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(self.cmd, env=full_env, cwd=cwd or ROOT, stdout=out,
-                                         stderr=err, start_new_session=True)
+                                         stderr=subprocess.STDOUT if merged else err,
+                                         start_new_session=True)
         self.returncode = None
         self.seconds = None
 
@@ -110,6 +133,12 @@ class Run:
     @property
     def output(self):
         return self.stdout + self.stderr
+
+    @property
+    def last_line(self):
+        """The last line that is not empty (of a merged run: what its terminal shows last)."""
+        lines = [line for line in self.output.splitlines() if line.strip()]
+        return lines[-1] if lines else ""
 
     def wait(self, timeout):
         """Wait for the process; on timeout kill its whole session and fail the test."""
@@ -173,12 +202,12 @@ class Runs(list):
         super().__init__()
         self.log_dir = log_dir
 
-    def start(self, example, *args, env=None, prefix=(), script="main.py"):
+    def start(self, example, *args, env=None, prefix=(), script="main.py", merged=False):
         return self.start_command([*prefix, *example_command(example, *args, script=script)],
-                                  env=env)
+                                  env=env, merged=merged)
 
-    def start_command(self, cmd, env=None, cwd=None):
-        run = Run(cmd, self.log_dir, env=env, cwd=cwd)
+    def start_command(self, cmd, env=None, cwd=None, merged=False):
+        run = Run(cmd, self.log_dir, env=env, cwd=cwd, merged=merged)
         self.append(run)
         return run
 
@@ -187,11 +216,63 @@ def start_example(example, *args, env=None, log_dir=None, script="main.py"):
     return Run(example_command(example, *args, script=script), log_dir, env=env)
 
 
+# --------- The entry points, and their short runs --------------------
+
 # For runs that a fixture starts together: TCP between their ranks. TensorPipe's shared memory
 # (the default of some examples) keeps a thread per process polling without pause; with two or
 # three runs on 2 cores, that polling took a fifth of the quick tests' CPU time (340 -> 265 CPU
 # seconds with TCP). The slow tests run the examples' default transport.
 TCP = ("--rpc_transport", "tcp")
+
+
+@dataclass
+class Example:
+    """An entry point, and the flags of its short and its endless runs."""
+
+    name: str
+    world_size: int  # the smallest world that has every role
+    quick: list  # flags for a short complete run
+    endless: list  # flags for a run that lasts until it is killed
+    roles: dict  # rank -> worker name
+    working: str  # a line that shows the run is under way
+    script: str = "main.py"
+    transport: tuple = TCP  # pipelining.py has no RPC, nor --rpc_transport
+
+
+RUNS = {
+    "param_server": Example(
+        "param_server", 2, ["--dataset", "synthetic", "--max_batches", 5],
+        ["--dataset", "synthetic", "--epochs", 1000], {0: "parameter_server", 1: "trainer_1"},
+        r"^Rank 1 training batch"),
+    "param_server/batch.py": Example(
+        "param_server", 3, ["--dataset", "synthetic", "--max_batches", 5],
+        ["--dataset", "synthetic", "--epochs", 1000], {0: "ps", 1: "trainer1"},
+        r"^Rank 1 training batch", script="batch.py"),
+    "rl_cartpole": Example(
+        "rl_cartpole", 2, ["--max_episodes", 5], ["--max_episodes", 100000, "--log_interval", 1],
+        {0: "agent", 1: "observer1"}, r"^Episode 1\t"),
+    "rnn_model_parallel": Example(
+        "rnn_model_parallel", 2, ["--epochs", 1, "--max_batches", 20], ["--epochs", 100000],
+        {0: "ps", 1: "trainer"}, r"^Training epoch 0"),
+    "ddp_rpc_hybrid": Example(
+        "ddp_rpc_hybrid", 3, ["--epochs", 2], ["--epochs", 100000],
+        {0: "trainer0", 1: "master", 2: "ps"}, r"^Training done for epoch"),
+    "ddp_rpc_hybrid/remote_module.py": Example(
+        "ddp_rpc_hybrid", 3, ["--epochs", 2], ["--epochs", 100000],
+        {0: "trainer0", 1: "master", 2: "ps"}, r"^Training done for epoch",
+        script="remote_module.py"),
+    "pipeline_parallel": Example(
+        "pipeline_parallel", 3, ["--num_split", 2, "--num_batches", 2, "--batch_size", 4],
+        ["--num_split", 2, "--num_batches", 100000, "--batch_size", 4],
+        {0: "master", 1: "worker1", 2: "worker2"}, r"^Processing batch 1$"),
+    "pipeline_parallel/pipelining.py": Example(
+        "pipeline_parallel", 2, ["--num_split", 2, "--num_batches", 2, "--batch_size", 4,
+                                 "--schedule", "GPipe"],
+        ["--num_split", 2, "--num_batches", 100000, "--batch_size", 4, "--schedule", "GPipe"],
+        {0: "stage0", 1: "stage1"}, r"^GPipe, n_microbatches 2, batch 1:", "pipelining.py", ()),
+    "rpc_profiling": Example(
+        "rpc_profiling", 2, [], [], {0: "worker0", 1: "worker1"}, r"joined the other 1 rank"),
+}
 
 
 def finish_together(runs, timeout):

@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import find_free_port, run_example
+from conftest import find_free_port, needs_monarch, run_example
 
 GPUS = torch.cuda.device_count()
 pytestmark = [pytest.mark.gpu,
@@ -46,6 +46,7 @@ def test_param_server_batch_trainers_train_on_the_gpu(tmp_path):
 
 
 def test_param_server_monarch_trainers_train_on_the_gpu(tmp_path):
+    needs_monarch()
     summary = tmp_path / "summary.json"
     finished = run_example("param_server", "--world_size", 3, "--dataset", "synthetic",
                            "--max_batches", 60, "--log_interval", 20, "--summary_json", summary,

@@ -7,11 +7,12 @@ import re
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from conftest import load_example
+from conftest import ROOT, WHY_NO_MONARCH, load_example
 
-pytest.importorskip("monarch.actor", reason="torchmonarch is not installed")
+pytest.importorskip("monarch.actor", reason=WHY_NO_MONARCH)
 
 monarch_runs = load_example("param_server", "actors").monarch_runs
 
@@ -22,18 +23,16 @@ TRAINER_LINE = re.compile(r"^trainer(\d) trains its copy of the model on \S+, in
                           re.M)
 
 
-def training(runs, *flags):
-    """actors.py started, once both trainers train: (its run, {trainer rank: pid})."""
-    run = runs.start("param_server", *LONG_RUN, *flags, script="actors.py")
+def training(runs, *flags, env=None):
+    """actors.py started, once both trainers train: (its run, {trainer rank: pid}). Its output
+    merged, as its terminal shows it."""
+    run = runs.start("param_server", *LONG_RUN, *flags, script="actors.py", env=env,
+                     merged=True)
     run.wait_for_output(r"^Rank 2 training batch 10 loss", timeout=120)
     run.wait_for_output(r"^Rank 1 training batch 10 loss", timeout=30)
     pids = {int(rank): int(pid) for rank, pid in TRAINER_LINE.findall(run.stdout)}
     assert set(pids) == {1, 2}, run.stdout
     return run, pids
-
-
-def last_line(run):
-    return run.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.slow
@@ -44,7 +43,7 @@ def test_a_killed_trainer_ends_the_run_in_one_line_naming_it(runs):
     run.wait(timeout=30)
     seconds = time.monotonic() - killed
     assert run.returncode == 1, run.output
-    assert last_line(run) == "trainer2 was killed by SIGKILL; stopped every process"
+    assert run.last_line == "trainer2 was killed by SIGKILL; stopped every process"
     assert "Traceback" not in run.output and "Unhandled monarch error" not in run.output
     # Seen on 2 cores: 0.3-0.6 s (Monarch checks its processes every 500 ms here).
     assert seconds < 5, seconds
@@ -53,6 +52,8 @@ def test_a_killed_trainer_ends_the_run_in_one_line_naming_it(runs):
 
 @pytest.mark.slow
 def test_a_hung_trainer_ends_the_run_within_call_timeout(runs):
+    """SIGSTOP of a trainer: the run ends within --call_timeout, and the stopped process goes
+    too (the controller kills what it started before its line)."""
     run, pids = training(runs, "--call_timeout", 3)
     os.kill(pids[1], signal.SIGSTOP)
     run.wait(timeout=60)
@@ -61,25 +62,37 @@ def test_a_hung_trainer_ends_the_run_within_call_timeout(runs):
     # controller, seeing no gradient come, does first.
     assert re.fullmatch(r".*no (answer from the parameter server|gradient reached the parameter "
                         r"server) within 3 s \(--call_timeout\); stopped every process",
-                        last_line(run)), run.stderr
+                        run.last_line), run.output
     assert "Traceback" not in run.output
-    run.kill_session()  # the stopped trainer cannot act on its parent's death until continued
     assert not run.leftovers(grace=3)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["controller", "terminal"])
-def test_ctrl_c_ends_every_process(runs, target):
-    """SIGINT to the controller alone, or to every process of the terminal's group."""
+def test_ctrl_c_ends_every_process(runs):
+    """SIGINT to every process of the terminal's group, as Ctrl-C sends it."""
     run, _ = training(runs)
-    if target == "controller":
-        os.kill(run.proc.pid, signal.SIGINT)
-    else:
-        os.killpg(run.proc.pid, signal.SIGINT)
+    os.killpg(run.proc.pid, signal.SIGINT)
     run.wait(timeout=30)
     assert run.returncode == 130, run.output
-    assert last_line(run) == "interrupted"
+    assert run.last_line == "interrupted; stopped every process"
     assert "Traceback" not in run.output
+    assert not run.leftovers(grace=3)
+
+
+@pytest.mark.slow
+def test_an_endpoints_error_is_its_traceback_and_one_line(runs, tmp_path):
+    """A trainer's own code raises (an error injected where it calls monarch_runs, as
+    bench/faults.py does): the actor's traceback, then one line naming the endpoint, status 1."""
+    injection = ROOT / "bench" / "fault_injection"
+    env = {"PYTHONPATH": str(injection), "FAULTS_RAISE": "actor Recorder.step 6",
+           "FAULTS_RAISED": str(tmp_path / "raised")}
+    run = runs.start("param_server", *LONG_RUN, script="actors.py", env=env, merged=True)
+    run.wait(timeout=120)
+    assert run.returncode == 1, run.output
+    error = "RuntimeError: an error injected by bench/faults.py"
+    assert run.last_line == (f"Actor call trainer.train failed ({error}); stopped every "
+                             "process"), run.output
+    assert "Traceback of where the remote call failed" in run.output
     assert not run.leftovers(grace=3)
 
 
@@ -121,4 +134,5 @@ def test_without_monarch_the_program_says_so_in_one_line(monkeypatch, capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Monarch is missing: `pip install torchmonarch`" in err
+    assert err.startswith(f"{Path(sys.argv[0]).name}: error: ")
 

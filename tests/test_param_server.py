@@ -11,7 +11,9 @@ from conftest import (
     ROOT,
     check_timeline,
     find_free_port,
+    load_actors,
     load_example,
+    needs_monarch,
     run_example,
     write_mnist,
 )
@@ -20,7 +22,6 @@ from example_modules import example_modules
 ps = load_example("param_server")
 ps_data = load_example("param_server", "data")
 ps_batch = load_example("param_server", "batch")
-ps_actors = load_example("param_server", "actors")
 
 
 # --------- Pure logic, in-process --------------------
@@ -204,10 +205,11 @@ def test_batch_bad_input_is_one_line_and_status_2(capsys, argv, expected):
 ])
 def test_actors_bad_input_is_one_line_and_status_2(capsys, argv, expected):
     argv = ["--dataset", "synthetic", "--world_size", "3", *argv]
-    assert expected in bad_input_message(capsys, argv, ps_actors)
+    assert expected in bad_input_message(capsys, argv, load_actors("param_server"))
 
 
 def test_actors_take_batch_pys_learning_rate():
+    ps_actors = load_actors("param_server")
     args = ps_actors.parse_args(["--dataset", "synthetic"])
     assert (args.world_size, args.batch_update_size, args.lr) == (4, None, pytest.approx(0.09))
     args = ps_actors.parse_args(["--dataset", "synthetic", "--batch_update_size", "1"])
@@ -353,6 +355,7 @@ def test_batch_mode_learned(batch_run):
 @pytest.fixture(scope="module")
 def monarch_run(tmp_path_factory):
     """batch.py's server and two trainers as Monarch actors (actors.py), profiled."""
+    needs_monarch()
     tmp = tmp_path_factory.mktemp("ps_monarch")
     summary = tmp / "summary.json"
     run = run_example("param_server", "--world_size", 3, "--dataset", "synthetic",

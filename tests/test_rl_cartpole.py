@@ -12,7 +12,9 @@ from conftest import (
     TCP,
     check_timeline,
     find_free_port,
+    load_actors,
     load_example,
+    needs_monarch,
     run_example,
 )
 from example_modules import example_modules
@@ -20,7 +22,6 @@ from torch.distributions import Categorical
 
 rl = load_example("rl_cartpole")
 rl_batch = load_example("rl_cartpole", "batch")
-rl_actors = load_example("rl_cartpole", "actors")
 
 
 # --------- Pure logic, in-process --------------------
@@ -383,6 +384,7 @@ def test_batched_agent_with_two_observers_learns(batch):
     (["--master_port", "29500"], "unrecognized arguments"),  # Monarch starts every process
 ])
 def test_actors_bad_input_is_one_line_and_status_2(capsys, argv, expected):
+    rl_actors = load_actors("rl_cartpole")
     with pytest.raises(SystemExit) as exited:
         rl_actors.parse_args(argv)
     err = capsys.readouterr().err
@@ -393,6 +395,7 @@ def test_actors_bad_input_is_one_line_and_status_2(capsys, argv, expected):
 @pytest.fixture(scope="module")
 def monarch_run(tmp_path_factory):
     """The agent and one observer as Monarch actors, as long as the tutorial's run."""
+    needs_monarch()
     tmp = tmp_path_factory.mktemp("rl_monarch")
     summary = tmp / "summary.json"
     run = run_example("rl_cartpole", "--log_interval", 1, "--max_episodes", EPISODES,
