@@ -26,6 +26,7 @@ the seconds from the fault until the last process of the cell is gone, and the p
 """
 
 import argparse
+import concurrent.futures
 import os
 import platform
 import re
@@ -112,10 +113,20 @@ PER_RANK_ONLY = {"never-comes", "other-flags"}
 QUICK = ["param_server/main.py", "param_server/actors.py"]
 
 
+_PORTS_GIVEN = set()
+_PORTS_LOCK = threading.Lock()
+
+
 def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port that nothing listens on, and that no other cell of this run was given."""
+    with _PORTS_LOCK:
+        while True:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            if port not in _PORTS_GIVEN:
+                _PORTS_GIVEN.add(port)
+                return port
 
 
 # --------- Processes --------------------
@@ -491,6 +502,22 @@ def write(cells, seconds, quick):
     lines += [f"Cells where something did not happen as it should: {len(broken)}."]
     for cell in broken:
         lines.append(f"- {cell.program} {cell.mode} {cell.fault}: {check(cell)}")
+    lines += ["", "## By launch mode and fault", "",
+              "Over every entry point: the cells as they should be, the exit statuses seen (as "
+              "a shell shows them), and the most seconds from the fault until the last process "
+              "was gone.", "",
+              "| mode | fault | as they should be | statuses | most seconds |",
+              "|---|---|---:|---|---:|"]
+    groups = {}
+    for cell in cells:
+        groups.setdefault((cell.mode, cell.fault), []).append(cell)
+    for (mode, fault), group in groups.items():
+        statuses = sorted({status_shown(status) for cell in group
+                           for _, _, status, _ in cell.terminals}, key=str)
+        seconds = [cell.seconds for cell in group if cell.seconds is not None]
+        good = sum(1 for cell in group if not check(cell))
+        lines.append(f"| {mode} | {fault} | {good} of {len(group)} | {'; '.join(statuses)} | "
+                     f"{max(seconds) if seconds else ''} |")
     lines.append("")
     for program in dict.fromkeys(cell.program for cell in cells):
         lines += [f"## {program}", "",
@@ -537,23 +564,32 @@ def main():
     parser.add_argument("--mode", action="append",
                         choices=["spawn-all", "per-rank", "torchrun", "monarch"])
     parser.add_argument("--fault", action="append", choices=FAULTS)
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="cells run at once: their ranks spend much of their time waiting "
+                             "(for a bound, a peer, a start), so two share 2 cores well")
     parser.add_argument("--no_write", "--no-write", action="store_true",
                         help=f"print the cells, do not write {RESULTS.name}")
     args = parser.parse_args()
     started = time.monotonic()
-    cells = []
-    with tempfile.TemporaryDirectory(prefix="faults-") as scratch:
-        for number, (program, mode, fault) in enumerate(cells_to_run(args)):
-            folder = Path(scratch) / str(number)
-            folder.mkdir()
-            cell = run_cell(program, mode, fault, folder)
-            cells.append(cell)
-            verdict = check(cell) or "ok"
-            print(f"{program.path} {mode} {fault}: {verdict}; gone in {cell.seconds} s",
-                  flush=True)
+    todo = list(cells_to_run(args))
+    printing = threading.Lock()
+
+    def run(number, spec):
+        program, mode, fault = spec
+        folder = Path(scratch) / str(number)
+        folder.mkdir()
+        cell = run_cell(program, mode, fault, folder)
+        with printing:
+            print(f"{program.path} {mode} {fault}: {check(cell) or 'ok'}; gone in "
+                  f"{cell.seconds} s", flush=True)
             for name, line, status, ended in cell.terminals:
                 print(f"    {name}: {line[:160]!r} ({status_shown(status)}, {ended} s)",
                       flush=True)
+        return cell
+
+    with tempfile.TemporaryDirectory(prefix="faults-") as scratch:
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            cells = list(pool.map(run, range(len(todo)), todo))
     seconds = time.monotonic() - started
     if not args.no_write:
         write(cells, seconds, args.quick)

@@ -144,9 +144,12 @@ def run_worker(rank, world_size, args):
     os.environ['MASTER_PORT'] = str(args.master_port)
     num_trainers = world_size - 2  # the tutorial's two trainers, master rank 2 and ps rank 3
 
-    # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness, which joins
-    # the ranks where MASTER_ADDR and MASTER_PORT say, with bounded waits, and ends every rank
-    # in one line when one is lost (the tutorial's init_method is tcp://localhost:29501).
+    # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness, which joins the
+    # ranks where MASTER_ADDR and MASTER_PORT say (as the default env:// would), with bounded waits
+    # (the tutorial's init_method is tcp://localhost:29501). The join installs in this rank the
+    # harness's loop (Ctrl-C, SIGTERM, the watch over the other ranks, which ends every rank in one
+    # line when one is lost or fails), its share of the cores and whole lines (README.md: "What the
+    # harness changes").
     rpc_backend_options = rpc_harness.options(args)
 
     if rank == num_trainers:

@@ -150,9 +150,11 @@ def run_parameter_server(rank, world_size, args):
     # in this case means that the parameter server will wait for all trainers
     # to complete, and then exit.
     print("PS master initializing RPC")
-    # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness, which joins
-    # the ranks where MASTER_ADDR and MASTER_PORT say (as the default env:// would), with
-    # bounded waits, and ends every rank in one line when one is lost.
+    # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness, which joins the
+    # ranks where MASTER_ADDR and MASTER_PORT say (as the default env:// would), with bounded waits.
+    # The join installs in this rank the harness's loop (Ctrl-C, SIGTERM, the watch over the other
+    # ranks, which ends every rank in one line when one is lost or fails), its share of the cores
+    # and whole lines (README.md: "What the harness changes").
     rpc.init_rpc(name="parameter_server", rank=rank, world_size=world_size,
                  rpc_backend_options=rpc_harness.options(args))
     print("RPC initialized! Running parameter server...")

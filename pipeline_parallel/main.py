@@ -221,9 +221,11 @@ def run_worker(rank, world_size, args):
     os.environ['MASTER_ADDR'] = args.master_addr
     os.environ['MASTER_PORT'] = str(args.master_port)
     torch.manual_seed(args.seed + rank)  # the shards' initial weights, on the workers
-    # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness, which joins
-    # the ranks where MASTER_ADDR and MASTER_PORT say (as the default env:// would), with
-    # bounded waits, and ends every rank in one line when one is lost.
+    # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness, which joins the
+    # ranks where MASTER_ADDR and MASTER_PORT say (as the default env:// would), with bounded waits.
+    # The join installs in this rank the harness's loop (Ctrl-C, SIGTERM, the watch over the other
+    # ranks, which ends every rank in one line when one is lost or fails), its share of the cores
+    # and whole lines (README.md: "What the harness changes").
     options = rpc_harness.options(args, num_worker_threads=128)
 
     if rank == 0:

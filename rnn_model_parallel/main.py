@@ -101,9 +101,11 @@ def run_worker(rank, world_size, args):
     os.environ['MASTER_PORT'] = str(args.master_port)
     if rank != 0:
         torch.manual_seed(args.seed + rank)
-        # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness, which
-        # joins the ranks where MASTER_ADDR and MASTER_PORT say (as the default env:// would),
-        # with bounded waits, and ends every rank in one line when one is lost.
+        # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness, which joins
+        # the ranks where MASTER_ADDR and MASTER_PORT say (as the default env:// would), with
+        # bounded waits. The join installs in this rank the harness's loop (Ctrl-C, SIGTERM, the
+        # watch over the other ranks, which ends every rank in one line when one is lost or fails),
+        # its share of the cores and whole lines (README.md: "What the harness changes").
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=rpc_harness.options(args))
         _run_trainer(worker_name(rank, world_size), args)

@@ -55,10 +55,12 @@ def excepthook(kind, value, traceback):
         if str(value).strip().endswith("KeyboardInterrupt"):  # Ctrl-C before the rank joined
             _stop_ranks(wait_first=True)
             _end("interrupted; stopped every rank", 130)
-        # The rank's own traceback, which mp.spawn carried here: an unexpected failure.
+        # The rank's own traceback, which mp.spawn carried here: an unexpected failure; then
+        # the error in one line, which the rank left (leave_reason).
         print(str(value).strip(), file=sys.stderr)
+        how = _reason_left_by(value.error_index) or "failed"
         _stop_ranks(wait_first=False)
-        _end(f"{_name(names, value.error_index)} failed; stopped the other ranks", 1)
+        _end(f"{_name(names, value.error_index)} {how}; stopped the other ranks", 1)
     sys.__excepthook__(kind, value, traceback)
 
 

@@ -48,6 +48,8 @@ HEARTBEAT_SECONDS = 1.0
 BYE_SECONDS = 10.0
 # How long a rank whose function failed waits for a lost peer to show itself as the cause.
 CAUSE_SECONDS = 2 * HEARTBEAT_SECONDS
+# How long a rank that gets SIGTERM waits to see whether its command is ending too.
+PARENT_SECONDS = 0.3
 # A turn of the loop this much later than its timeout: the process was stopped (SIGSTOP, a
 # suspended laptop), and the peers' silence meanwhile is its own.
 STOPPED_SECONDS = 2 * HEARTBEAT_SECONDS
@@ -131,10 +133,7 @@ class Rank:
         tell the peers, and end, status 1. Never returns."""
         if self.lost.wait(CAUSE_SECONDS):
             threading.Event().wait()  # the loop ends the rank, naming the peer
-        if error is None:
-            what = "it returned with RPC or its process group still up"
-        else:
-            what = traceback.format_exception_only(type(error), error)[-1].strip()
+        what = _one_line(error)
         if not self.spawn_all and error is not None:
             traceback.print_exception(type(error), error, error.__traceback__)
         self._ask("fail", what)
@@ -187,12 +186,21 @@ class Rank:
         line = f"{self.name}: interrupted"
         if number == signal.SIGTERM:
             line += " (SIGTERM)"
-        parent = multiprocessing.parent_process()
-        # The death signal (_end_with_the_command): the parent's end of the pipe that
-        # multiprocessing gave this process is closed before Linux sends it.
-        if parent is not None and not parent.is_alive():
+        if number == signal.SIGTERM and self._the_command_has_ended():  # the death signal
             line = f"{self.name}: the command that started this rank has ended; stopping"
         self.stop(line, 128 + number)
+
+    def _the_command_has_ended(self):
+        """Whether the process that started this rank (mp.Process's command) has ended. Linux
+        sends the death signal as the command's thread that started the rank ends, a moment
+        before the process is gone (its other threads, its files): PARENT_SECONDS to see it."""
+        parent = multiprocessing.parent_process()
+        if parent is None or self.spawn_all:
+            return False
+        if os.getppid() != parent.pid:
+            return True
+        parent.join(PARENT_SECONDS)  # its end of multiprocessing's pipe closes as it ends
+        return not parent.is_alive()
 
     def _on_peers(self, peers):
         now = time.monotonic()
@@ -211,6 +219,8 @@ class Rank:
 
     def _on_fail(self, what):
         self._send_to_all(f"failed {self.rank} {what}\n".encode())
+        if self.spawn_all:
+            self._leave_reason(f"failed ({what})")
         self.stop(f"{self.name}: failed ({what}); the other ranks stop too", 1)
 
     def _on_data(self, peer, sock):
@@ -344,6 +354,20 @@ def _do_nothing(number, frame):
     pass
 
 
+def _one_line(error):
+    """An exception in one line, for the peers and the rank's last line: its type and the first
+    line of its message; for an error that RPC carried from another worker ("On WorkerInfo(id=0,
+    name=trainer0):", then the error there), that line and the next. None: no exception."""
+    if error is None:
+        return "it returned with RPC or its process group still up"
+    kind = type(error).__name__
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    message = " ".join(lines[:2] if lines and lines[0].endswith(":") else lines[:1])
+    if not message:
+        return kind
+    return message if message.startswith(f"{kind}: ") else f"{kind}: {message}"
+
+
 def _quiet():
     """What this process has printed reaches its terminal; from now on, what it prints goes
     nowhere."""
@@ -463,8 +487,10 @@ def at_the_end():
     if _this is None:
         return
     error = sys.exc_info()[1]  # the exception on its way out of the rank's function, if any
-    if isinstance(error, SystemExit) and error.code in (None, 0):
-        error = None
+    if isinstance(error, SystemExit):
+        # mp.spawn's ranks: it catches the function's exception, sends its traceback to the
+        # command, and exits with 1 in its place (the exception is the exit's context).
+        error = error.__context__ if error.code not in (None, 0) else None
     if error is None and not _rpc_running() and not dist.is_initialized():
         _this.finish()
         with contextlib.suppress(ValueError, OSError):

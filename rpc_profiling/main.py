@@ -58,9 +58,11 @@ def worker(rank, world_size, args):
     worker_name = f"worker{rank}"
 
     # Initialize RPC framework.
-    # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness, which joins
-    # the ranks where MASTER_ADDR and MASTER_PORT say (as the default env:// would), with
-    # bounded waits, and ends every rank in one line when one is lost.
+    # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness, which joins the
+    # ranks where MASTER_ADDR and MASTER_PORT say (as the default env:// would), with bounded waits.
+    # The join installs in this rank the harness's loop (Ctrl-C, SIGTERM, the watch over the other
+    # ranks, which ends every rank in one line when one is lost or fails), its share of the cores
+    # and whole lines (README.md: "What the harness changes").
     rpc.init_rpc(
         name=worker_name,
         rank=rank,
