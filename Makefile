@@ -24,9 +24,13 @@ $(VENV)/.dev-installed: requirements-newest.txt requirements-dev.txt pyproject.t
 	$(PY) -m pip install --quiet -r requirements-newest.txt -r requirements-dev.txt -e .
 	touch $@
 
+# Two test files at a time (pytest-xdist): the examples' ranks spend much of their time
+# waiting. make test leaves tests/test_launch_modes.py to make test-oldest (pyproject.toml's
+# launch_modes marker says why).
+PYTEST_TWO := -n 2 --dist loadfile
 test: $(VENV)/.dev-installed
 	$(PY) -m ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_TWO) -m "not launch_modes"
 
 test-quick: $(VENV)/.dev-installed
 	$(PY) -m ruff check .
@@ -40,8 +44,8 @@ $(OLDEST)/.installed: requirements-oldest.txt requirements-dev.txt pyproject.tom
 	touch $@
 
 test-oldest: $(OLDEST)/.installed
-	$(OLDEST)/bin/python -m pytest -m "not slow"
-	$(OLDEST)/bin/python -m pytest tests/test_launch_modes.py
+	$(OLDEST)/bin/python -m pytest $(PYTEST_TWO) -m "not slow"
+	$(OLDEST)/bin/python -m pytest $(PYTEST_TWO) -m launch_modes
 
 # The parameter server trains on MNIST when it is in data/ or can be downloaded; otherwise
 # main.py exits 2 before starting any rank, and the tour runs it on the synthetic digits.

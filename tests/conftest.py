@@ -221,7 +221,8 @@ def start_example(example, *args, env=None, log_dir=None, script="main.py"):
 # For runs that a fixture starts together: TCP between their ranks. TensorPipe's shared memory
 # (the default of some examples) keeps a thread per process polling without pause; with two or
 # three runs on 2 cores, that polling took a fifth of the quick tests' CPU time (340 -> 265 CPU
-# seconds with TCP). The slow tests run the examples' default transport.
+# seconds with TCP). One run keeps an example's default (rpc_profiling's profiled run, the
+# shared memory between its two ranks); the others are TCP's, as the quick suite's.
 TCP = ("--rpc_transport", "tcp")
 
 
@@ -251,6 +252,9 @@ RUNS = {
     "rl_cartpole": Example(
         "rl_cartpole", 2, ["--max_episodes", 5], ["--max_episodes", 100000, "--log_interval", 1],
         {0: "agent", 1: "observer1"}, r"^Episode 1\t"),
+    "rl_cartpole/batch.py": Example(
+        "rl_cartpole", 3, ["--max_episodes", 5], ["--max_episodes", 100000, "--log_interval", 1],
+        {0: "agent", 1: "observer1", 2: "observer2"}, r"^Episode 1\t", script="batch.py"),
     "rnn_model_parallel": Example(
         "rnn_model_parallel", 2, ["--epochs", 1, "--max_batches", 20], ["--epochs", 100000],
         {0: "ps", 1: "trainer"}, r"^Training epoch 0"),

@@ -240,13 +240,14 @@ def test_spawn_all_trained_both_halves(two_trainers):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("revision", REVISIONS)
-def test_ranks_as_separate_commands_highest_rank_first(tmp_path, runs, revision):
-    common = ["--world_size", 3, "--master_port", find_free_port(), "--epochs", 3]
-    ps = runs.start("ddp_rpc_hybrid", *common, "--rank", 2, script=REVISIONS[revision])
-    master = runs.start("ddp_rpc_hybrid", *common, "--rank", 1, script=REVISIONS[revision])
+def test_ranks_as_separate_commands_highest_rank_first(tmp_path, runs):
+    """main.py, a rank a command, the last rank first (remote_module.py's way, which is the
+    same: tests/test_launch_modes.py, which make test-oldest runs, and make faults)."""
+    common = ["--world_size", 3, "--master_port", find_free_port(), "--epochs", 3, *TCP]
+    ps = runs.start("ddp_rpc_hybrid", *common, "--rank", 2)
+    master = runs.start("ddp_rpc_hybrid", *common, "--rank", 1)
     trainer = runs.start("ddp_rpc_hybrid", *common, "--rank", 0, "--summary_json",
-                         tmp_path / "summary.json", script=REVISIONS[revision])
+                         tmp_path / "summary.json")
     for run in (trainer, master, ps):
         run.wait(timeout=120)
         assert run.returncode == 0, run.output

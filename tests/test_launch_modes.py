@@ -12,6 +12,8 @@ import sys
 import pytest
 from conftest import ROOT, RUNS, example_command, find_free_port, needs_monarch
 
+pytestmark = [pytest.mark.slow, pytest.mark.launch_modes]
+
 MODES = ["spawn-all", "per-rank", "torchrun"]
 CASES = [pytest.param(key, mode, id=f"{key}-{mode}") for key in RUNS for mode in MODES]
 
@@ -32,7 +34,6 @@ def _flags(key, tmp_path):
     return flags
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("key, mode", CASES)
 def test_every_entry_point_runs_in_every_launch_mode(key, mode, runs, tmp_path):
     config = RUNS[key]
@@ -64,7 +65,6 @@ def test_every_entry_point_runs_in_every_launch_mode(key, mode, runs, tmp_path):
         assert terminals[0].last_line.startswith("Summary: "), terminals[0].output
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("key", list(MONARCH))
 def test_every_monarch_program_runs(key, runs, tmp_path):
     needs_monarch()

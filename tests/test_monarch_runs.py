@@ -1,68 +1,62 @@
-"""rpc_harness.monarch_runs, tested once, against param_server/actors.py: a killed actor process,
-a hung one, Ctrl-C and a killed controller each end the run in one line (or silently, for the
-controller), with no process left behind."""
+"""rpc_harness.monarch_runs, tested once, against rl_cartpole/actors.py (the lighter of the two
+Monarch programs: an agent in the controller's process, one observer in a process of its own):
+a killed actor process, a hung one, an endpoint's error, Ctrl-C and a killed controller each end
+the run in one line (or silently, for the controller), with no process left behind. Every
+Monarch program under every fault: make faults."""
 
 import os
-import re
 import signal
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, WHY_NO_MONARCH, load_example
+from conftest import ROOT, WHY_NO_MONARCH, _processes, load_example
 
 pytest.importorskip("monarch.actor", reason=WHY_NO_MONARCH)
 
-monarch_runs = load_example("param_server", "actors").monarch_runs
+monarch_runs = load_example("rl_cartpole", "actors").monarch_runs
 
-# Long enough that the run is still training when a test acts on it.
-LONG_RUN = ("--world_size", 3, "--dataset", "synthetic", "--max_batches", 100000,
-            "--log_interval", 10)
-TRAINER_LINE = re.compile(r"^trainer(\d) trains its copy of the model on \S+, in process (\d+)$",
-                          re.M)
+# Long enough that the run is still going when a test acts on it.
+LONG_RUN = ("--max_episodes", 100000, "--log_interval", 1)
 
 
-def training(runs, *flags, env=None):
-    """actors.py started, once both trainers train: (its run, {trainer rank: pid}). Its output
+def playing(runs, *flags, env=None):
+    """actors.py started, once its episodes have begun: (its run, the observer's pid). Its output
     merged, as its terminal shows it."""
-    run = runs.start("param_server", *LONG_RUN, *flags, script="actors.py", env=env,
-                     merged=True)
-    run.wait_for_output(r"^Rank 2 training batch 10 loss", timeout=120)
-    run.wait_for_output(r"^Rank 1 training batch 10 loss", timeout=30)
-    pids = {int(rank): int(pid) for rank, pid in TRAINER_LINE.findall(run.stdout)}
-    assert set(pids) == {1, 2}, run.stdout
-    return run, pids
+    run = runs.start("rl_cartpole", *LONG_RUN, *flags, script="actors.py", env=env, merged=True)
+    run.wait_for_output(r"^Episode 3\t", timeout=120)
+    actors = [pid for pid in _processes(lambda stat: stat[2] == run.proc.pid)
+              if b"bootstrap_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(actors) == 1, actors  # one observer, in a process that Monarch started
+    return run, actors[0]
 
 
 @pytest.mark.slow
-def test_a_killed_trainer_ends_the_run_in_one_line_naming_it(runs):
-    run, pids = training(runs)
+def test_a_killed_observer_ends_the_run_in_one_line_naming_it(runs):
+    run, observer = playing(runs)
     killed = time.monotonic()
-    os.kill(pids[2], signal.SIGKILL)
+    os.kill(observer, signal.SIGKILL)
     run.wait(timeout=30)
     seconds = time.monotonic() - killed
     assert run.returncode == 1, run.output
-    assert run.last_line == "trainer2 was killed by SIGKILL; stopped every process"
+    assert run.last_line == "observer1 was killed by SIGKILL; stopped every process"
     assert "Traceback" not in run.output and "Unhandled monarch error" not in run.output
-    # Seen on 2 cores: 0.3-0.6 s (Monarch checks its processes every 500 ms here).
+    # Seen on 2 cores: 0.2-0.6 s (Monarch checks its processes every 500 ms here).
     assert seconds < 5, seconds
     assert not run.leftovers(grace=3)
 
 
 @pytest.mark.slow
-def test_a_hung_trainer_ends_the_run_within_call_timeout(runs):
-    """SIGSTOP of a trainer: the run ends within --call_timeout, and the stopped process goes
-    too (the controller kills what it started before its line)."""
-    run, pids = training(runs, "--call_timeout", 3)
-    os.kill(pids[1], signal.SIGSTOP)
+def test_a_hung_observer_ends_the_run_within_call_timeout(runs):
+    """SIGSTOP of the observer: the run ends within --call_timeout, and the stopped process
+    goes too (the controller kills what it started before its line)."""
+    run, observer = playing(runs, "--call_timeout", 3)
+    os.kill(observer, signal.SIGSTOP)
     run.wait(timeout=60)
     assert run.returncode == 1, run.output
-    # The other trainer waits for a model that needs trainer1's gradient, and gives up; or the
-    # controller, seeing no gradient come, does first.
-    assert re.fullmatch(r".*no (answer from the parameter server|gradient reached the parameter "
-                        r"server) within 3 s \(--call_timeout\); stopped every process",
-                        run.last_line), run.output
+    assert run.last_line == ("no answer from the observers within 3 s (--call_timeout); stopped "
+                             "every process"), run.output
     assert "Traceback" not in run.output
     assert not run.leftovers(grace=3)
 
@@ -70,7 +64,7 @@ def test_a_hung_trainer_ends_the_run_within_call_timeout(runs):
 @pytest.mark.slow
 def test_ctrl_c_ends_every_process(runs):
     """SIGINT to every process of the terminal's group, as Ctrl-C sends it."""
-    run, _ = training(runs)
+    run, _ = playing(runs)
     os.killpg(run.proc.pid, signal.SIGINT)
     run.wait(timeout=30)
     assert run.returncode == 130, run.output
@@ -81,16 +75,17 @@ def test_ctrl_c_ends_every_process(runs):
 
 @pytest.mark.slow
 def test_an_endpoints_error_is_its_traceback_and_one_line(runs, tmp_path):
-    """A trainer's own code raises (an error injected where it calls monarch_runs, as
-    bench/faults.py does): the actor's traceback, then one line naming the endpoint, status 1."""
+    """The observer's own code raises (an error injected where it calls monarch_runs, as
+    bench/faults.py does): the actor's traceback, then one line naming the endpoint and the
+    error, status 1."""
     injection = ROOT / "bench" / "fault_injection"
-    env = {"PYTHONPATH": str(injection), "FAULTS_RAISE": "actor Recorder.step 6",
+    env = {"PYTHONPATH": str(injection), "FAULTS_RAISE": "actor get 40",
            "FAULTS_RAISED": str(tmp_path / "raised")}
-    run = runs.start("param_server", *LONG_RUN, script="actors.py", env=env, merged=True)
+    run = runs.start("rl_cartpole", *LONG_RUN, script="actors.py", env=env, merged=True)
     run.wait(timeout=120)
     assert run.returncode == 1, run.output
     error = "RuntimeError: an error injected by bench/faults.py"
-    assert run.last_line == (f"Actor call trainer.train failed ({error}); stopped every "
+    assert run.last_line == (f"Actor call observer.run_episode failed ({error}); stopped every "
                              "process"), run.output
     assert "Traceback of where the remote call failed" in run.output
     assert not run.leftovers(grace=3)
@@ -98,7 +93,7 @@ def test_an_endpoints_error_is_its_traceback_and_one_line(runs, tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_controller_leaves_no_process(runs):
-    run, _ = training(runs)
+    run, _ = playing(runs)
     os.kill(run.proc.pid, signal.SIGKILL)
     run.wait(timeout=30)
     assert not run.leftovers(grace=3)  # Monarch's processes die with their parent

@@ -255,21 +255,3 @@ def test_pipelining_profiled_timeline_shows_both_stages_compute(pipelining_run):
     for stage in ("stage0", "stage1"):
         check_timeline([run], run.log_dir / "trace", ["stage0", "stage1"], stage,
                        {"aten::conv2d", "aten::convolution"})
-
-
-@pytest.mark.slow
-def test_pipelining_stages_as_separate_commands(tmp_path, runs):
-    """One command per stage, stage1 first, GPipe with 1 and 2 micro-batches."""
-    common = ["--batch_size", 4, "--num_batches", 2, "--num_split", 1, 2, "--schedule", "GPipe",
-              "--master_port", find_free_port()]
-    stage1 = runs.start("pipeline_parallel", *common, "--rank", 1, script="pipelining.py")
-    stage0 = runs.start("pipeline_parallel", *common, "--rank", 0, "--summary_json",
-                        tmp_path / "summary.json", script="pipelining.py")
-    for run in (stage0, stage1):
-        run.wait(timeout=180)
-        assert run.returncode == 0, run.output
-        assert not run.leftovers()
-    assert "stage1: joined the other 1 rank(s)" in stage1.stdout
-    assert re.search(r"^GPipe, n_microbatches 2, batch 1: loss", stage1.stdout, re.M)
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert set(summary["schedules"]["GPipe"]) == {"1", "2"}

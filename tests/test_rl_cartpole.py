@@ -347,7 +347,7 @@ def test_ranks_as_separate_commands_repeat_the_run(tutorial, runs):
     some tens of episodes an action comes out differently."""
     spawned, _ = tutorial
     common = ["--world_size", 2, "--master_port", find_free_port(), "--max_episodes", 10,
-              "--log_interval", 1]
+              "--log_interval", 1, *TCP]
     observer = runs.start("rl_cartpole", *common, "--rank", 1)
     agent = runs.start("rl_cartpole", *common, "--rank", 0)
     for run in (agent, observer):

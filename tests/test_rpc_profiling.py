@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from conftest import ROOT, find_free_port, run_example
+from conftest import ROOT, TCP, find_free_port, run_example
 
 from rpc_harness import profiling
 from rpc_harness.compat import profiler_options
@@ -92,7 +92,7 @@ def test_every_rank_writes_its_trace_and_worker0_one_timeline(profiled_run):
 def test_one_rank_per_command_writes_the_same_files(tmp_path, runs):
     """worker1 first, then worker0, each its own command: each writes its own trace, and
     worker0, which gets worker1's over RPC, the timeline."""
-    common = ["--profile", tmp_path, "--master_port", find_free_port()]
+    common = ["--profile", tmp_path, "--master_port", find_free_port(), *TCP]
     worker1 = runs.start("rpc_profiling", *common, "--rank", 1)
     worker0 = runs.start("rpc_profiling", *common, "--rank", 0)
     for run in (worker0, worker1):

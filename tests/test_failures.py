@@ -1,0 +1,490 @@
+"""The harness's ways of ending a run (rpc_harness), each tested once, end to end, against one
+or two examples: a rank killed, its command killed, a rank stopped and resumed, a rank whose
+code raises, Ctrl-C and SIGTERM, a rank that never comes, flags that differ, a rank taken
+twice; torchrun and several hosts. Output is merged as a terminal shows it: the harness's line
+must be each terminal's last. Every entry point in every launch mode under every fault is
+make faults' (bench/faults.py); every entry point in every launch mode, test_launch_modes.py."""
+
+import contextlib
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, RUNS, TCP, _processes, example_command, find_free_port
+
+from rpc_harness.compat import profiler_options
+
+# How long the other ranks may take to exit after one is killed. Measured: well under a second
+# when the machine is idle (a dead process's connections close at once); the bound leaves room
+# for a loaded 2-core CI machine.
+EXIT_BOUND_SECONDS = 20
+
+
+# --------- Runs --------------------
+
+def start(runs, key, *flags, rank=None, endless=False, **kwargs):
+    """A run of an example, over TCP: TensorPipe's shared memory keeps a thread of every process
+    polling, which on 2 cores starved even this process's reads of /proc for seconds."""
+    config = RUNS[key]
+    return runs.start(config.name, *(config.endless if endless else config.quick),
+                      *config.transport, "--world_size", config.world_size, *flags,
+                      *(() if rank is None else ("--rank", rank)), script=config.script, **kwargs)
+
+
+def _wait_any(processes, pattern, timeout=90):
+    deadline = time.monotonic() + timeout
+    while not any(re.search(pattern, p.output, re.M) for p in processes):
+        assert time.monotonic() < deadline, "the run never got under way"
+        time.sleep(0.05)
+
+
+# --------- Loopback only --------------------
+
+def _listening_sockets():
+    """{socket inode: (address, port)} of every listening TCP socket in this network namespace."""
+    listening = {}
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        if not Path(table).exists():
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A":  # TCP_LISTEN
+                continue
+            hex_addr, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_addr)
+            # /proc shows addresses as 32-bit words in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+            listening[fields[9]] = (ipaddress.ip_address(raw), int(hex_port, 16))
+    return listening
+
+
+def _sockets_of(pid):
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def assert_listening_on_loopback_only(run, world_size):
+    """Every listening socket of a run's processes is on a loopback address."""
+    listening = _listening_sockets()
+    pids = _processes(lambda stat: stat[2] == run.proc.pid)
+    ours = {listening[inode] for pid in pids for inode in _sockets_of(pid) if inode in listening}
+    assert len(ours) >= world_size  # the rendezvous, plus each rank's own listeners
+    assert all(address.is_loopback for address, _ in ours), sorted(map(str, ours))
+
+
+# --------- A rank killed, stopped or failing mid-run --------------------
+#
+# One case for each way a rank ends and a way its peers learn of it; bench/faults.py runs every
+# entry point, launch mode and fault (make faults). Output merged as a terminal shows it: the
+# harness's line must be each terminal's last.
+
+FAULT_INJECTION = ROOT / "bench" / "fault_injection"
+
+
+def raising(spec, folder):
+    """The environment of a run whose rank raises where bench/faults.py makes it raise
+    (bench/fault_injection/sitecustomize.py): spec is its FAULTS_RAISE."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_INJECTION),
+                                                         os.environ.get("PYTHONPATH")])),
+            "FAULTS_RAISE": spec, "FAULTS_RAISED": str(folder / "raised")}
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_by_every_terminal(runs):
+    """SIGKILL of a rank's own process. One rank a terminal (rl_cartpole/batch.py, an agent and
+    two observers): its command says that it was killed, 137 (128 + 9, as a shell says); the
+    others lose contact, each in one line, status 1, observer2 as the agent (rank 0) told it.
+    Every rank from one command (rl_cartpole): the command names it, 137, and nothing listened
+    beyond loopback. Nothing is left running."""
+    port = find_free_port()
+    terminals = [start(runs, "rl_cartpole/batch.py", "--master_port", port, rank=rank,
+                       endless=True, merged=True) for rank in range(3)]
+    spawn_all = start(runs, "rl_cartpole", "--master_port", find_free_port(), endless=True,
+                      merged=True)
+    _wait_any(terminals, RUNS["rl_cartpole/batch.py"].working)
+    spawn_all.wait_for_output(RUNS["rl_cartpole"].working, timeout=90)
+    assert_listening_on_loopback_only(spawn_all, 2)
+    killed_at = time.monotonic()
+    os.kill(terminals[1].children()[0], signal.SIGKILL)
+    os.kill(spawn_all.children()[1], signal.SIGKILL)
+    expected = {terminals[0]: (1, "agent: lost contact with observer1 (rank 1, its connection "
+                                  "closed); stopping"),
+                terminals[1]: (137, "observer1 (rank 1) was killed by SIGKILL"),
+                terminals[2]: (1, "observer2: lost contact with observer1 (rank 1, its connection "
+                                  "closed, as agent (rank 0) saw); stopping"),
+                spawn_all: (137, "observer1 (rank 1) was killed by SIGKILL; stopped the other "
+                                 "ranks")}
+    for run, (status, line) in expected.items():
+        run.wait(timeout=EXIT_BOUND_SECONDS + 30)
+        assert time.monotonic() - killed_at < EXIT_BOUND_SECONDS
+        assert (run.returncode, run.last_line) == (status, line), run.output
+        assert "Traceback" not in run.output and "[W" not in run.output, run.output
+        assert not run.leftovers()
+
+
+@pytest.mark.slow
+def test_a_rank_whose_code_raises_ends_every_rank(runs, tmp_path):
+    """The rank's own code raises (an error injected where the agent calls the harness, each
+    episode): one rank a terminal: its traceback, then its line; the observer names it. Every
+    rank from one command: the command prints the rank's traceback, which mp.spawn carried, and
+    names it and its error. Status 1; nothing left running."""
+    port = find_free_port()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    terminals = [start(runs, "rl_cartpole", "--master_port", port, rank=rank, endless=True,
+                       merged=True, env=raising("rank profile_step 0 4", tmp_path / "a"))
+                 for rank in range(2)]
+    spawn_all = start(runs, "rl_cartpole", "--master_port", find_free_port(), endless=True,
+                      merged=True, env=raising("rank profile_step 0 4", tmp_path / "b"))
+    error = "RuntimeError: an error injected by bench/faults.py"
+    expected = {terminals[0]: f"agent: failed ({error}); the other ranks stop too",
+                terminals[1]: f"observer1: agent (rank 0) failed ({error}); stopping",
+                spawn_all: f"agent (rank 0) failed ({error}); stopped the other ranks"}
+    for run, line in expected.items():
+        run.wait(timeout=120)
+        assert (run.returncode, run.last_line) == (1, line), run.output
+        assert not run.leftovers()
+    for run in (terminals[0], spawn_all):
+        assert re.search(rf"^Traceback .*\n(.*\n)*{error}\n", run.output, re.M), run.output
+    assert "Traceback" not in terminals[1].output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["per-rank", "spawn-all"])
+def test_a_stopped_rank_is_given_up_on_and_told_when_it_resumes(mode, runs):
+    """SIGSTOP of the observer's process past --rpc_timeout. One rank a terminal: the agent
+    (rank 0) gives up on it in one line; resumed (SIGCONT), the observer says that rank 0 gave
+    up on it. Every rank from one command: mp.spawn cannot see a silent rank, so the rank that
+    gave up leaves the command the reason, and the command names both (and does not wait
+    mp.spawn's 30 s for a stopped rank to act on SIGTERM)."""
+    port = find_free_port()
+    if mode == "per-rank":
+        ranks = [start(runs, "rl_cartpole", "--master_port", port, "--rpc_timeout", 3,
+                       rank=rank, endless=True, merged=True) for rank in (0, 1)]
+        _wait_any(ranks, RUNS["rl_cartpole"].working)
+        observer = ranks[1].children()[0]
+    else:
+        command = start(runs, "rl_cartpole", "--master_port", port, "--rpc_timeout", 3,
+                        endless=True, merged=True)
+        command.wait_for_output(RUNS["rl_cartpole"].working, timeout=90)
+        ranks = [command]
+        observer = command.children()[1]
+    os.kill(observer, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        ranks[0].wait(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # spawn-all: its command killed it
+            os.kill(observer, signal.SIGCONT)
+    assert ranks[0].returncode == 1
+    gave_up = "agent (rank 0) gave up on"
+    if mode == "spawn-all":
+        assert time.monotonic() - stopped_at < 3 + EXIT_BOUND_SECONDS
+        assert ranks[0].last_line in (
+            "agent (rank 0) lost contact with observer1 (rank 1, silent for 3 s "
+            "(--rpc_timeout)); stopped the other ranks",
+            f"observer1 (rank 1) was not heard from for 3 s (--rpc_timeout): {gave_up} it; "
+            "stopped the other ranks"), ranks[0].output
+        assert not ranks[0].leftovers()
+        return
+    assert ranks[0].last_line == ("agent: lost contact with observer1 (rank 1, silent for 3 s "
+                                  "(--rpc_timeout)); stopping"), ranks[0].output
+    ranks[1].wait(timeout=30)
+    assert ranks[1].returncode == 1
+    assert ranks[1].last_line == (f"observer1: {gave_up} this rank, which it had not heard from "
+                                  "for 3 s (--rpc_timeout); stopping"), ranks[1].output
+    assert not ranks[1].leftovers()
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_profiling_loses_only_its_own_trace(runs, tmp_path):
+    """--profile with the agent's window open for the whole run (rl_cartpole/batch.py, one rank
+    a terminal): SIGKILL observer2's process, and the agent and observer1, which end as above,
+    first write what their profilers hold, whole (where this torch lets another thread stop the
+    profiler)."""
+    traces = tmp_path / "traces"
+    common = ["--profile", traces, "--profile_steps", 100000, "--master_port", find_free_port()]
+    windows_open = r"^Episode 3\t"  # the agent's window opens after 2 episodes
+    processes = [start(runs, "rl_cartpole/batch.py", *common, rank=rank, endless=True,
+                       merged=True) for rank in range(3)]
+    _wait_any(processes, windows_open)
+    # the rank's own process, which its command started (killing the command would give the
+    # rank its death signal, on which it writes its trace)
+    os.kill(processes[2].children()[0], signal.SIGKILL)
+    for survivor in processes[:2]:
+        survivor.wait(timeout=EXIT_BOUND_SECONDS + 30)
+        assert survivor.returncode == 1 and not survivor.leftovers()
+        assert survivor.last_line.endswith("; stopping"), survivor.output
+    if not profiler_options()[1]:
+        assert not list(traces.glob("*.json"))
+        pytest.skip("a rank that stops early writes its trace from a thread of its own; this "
+                    "torch's profiler can be stopped only by the thread that started it")
+    for name in ("agent", "observer1"):
+        path = traces / f"{name}.json"
+        assert path.exists(), "".join(survivor.output for survivor in processes)
+        assert json.loads(path.read_text())["rankName"] == name
+    assert sorted(path.name for path in traces.iterdir()) == ["agent.json",
+                                                              "observer1.json"]  # no parts
+
+
+@pytest.mark.slow
+def test_a_killed_command_takes_its_ranks_with_it(runs):
+    """SIGKILL of the command a user started: every rank of one command ends too, instead of
+    running on unseen; a rank that --rank names says so in its terminal, and the others lose
+    contact with it."""
+    launcher = start(runs, "rnn_model_parallel", "--master_port", find_free_port(), endless=True)
+    port = find_free_port()
+    ranks = [start(runs, "rl_cartpole", "--master_port", port, rank=rank, endless=True,
+                   merged=True) for rank in range(2)]
+    launcher.wait_for_output(RUNS["rnn_model_parallel"].working, timeout=90)
+    _wait_any(ranks, RUNS["rl_cartpole"].working)
+    assert len(launcher.children()) == 2
+    os.kill(launcher.proc.pid, signal.SIGKILL)
+    os.kill(ranks[1].proc.pid, signal.SIGKILL)
+    launcher.proc.wait(timeout=10)
+    assert not launcher.leftovers(grace=EXIT_BOUND_SECONDS)
+    ranks[0].wait(timeout=EXIT_BOUND_SECONDS + 30)
+    assert ranks[0].returncode == 1 and ranks[0].last_line == (
+        "agent: lost contact with observer1 (rank 1, its connection closed); stopping")
+    assert not ranks[1].leftovers(grace=EXIT_BOUND_SECONDS)
+    assert ranks[1].last_line == ("observer1: the command that started this rank has ended; "
+                                  "stopping"), ranks[1].output
+
+
+# --------- One terminal per rank: waiting, missing ranks, interrupting, flags that differ -----
+
+WAITING = r"^\S+ \(rank \d+ of \d+\): waiting for the other ranks at localhost:\d+, up to 60 s$"
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_comes_is_named_by_every_rank_that_came(runs):
+    """A world of 3 (rl_cartpole/batch.py), observer1 waiting first, then the agent (which holds
+    the store, and whose --init_timeout ends first): both name observer2, the one that is
+    missing; the agent stays, with the store, until observer1 has read its verdict. Then the
+    last rank of a world alone, whose rank 0 never came, of an example whose trainers first
+    meet in a process group."""
+    port = find_free_port()
+    waiting = start(runs, "rl_cartpole/batch.py", "--master_port", port, "--init_timeout", 60,
+                    rank=1)
+    waiting.wait_for_output(WAITING, timeout=90)
+    deciding = start(runs, "rl_cartpole/batch.py", "--master_port", port, "--init_timeout", 4,
+                     rank=0)
+    alone = start(runs, "ddp_rpc_hybrid", "--master_port", find_free_port(), "--init_timeout", 2,
+                  rank=2)
+    deciding.wait(timeout=90)
+    waiting.wait(timeout=30)  # read the verdict: long before its own --init_timeout
+    for run in (deciding, waiting):
+        assert run.returncode == 1, run.output
+        assert run.stderr.count("\n") == 1, run.stderr
+        assert (": observer2 (rank 2) did not join at localhost:" in run.stderr
+                and "within 4 s (--init_timeout); start it with the same flags" in run.stderr), (
+            run.stderr)
+        assert not run.leftovers()
+    alone.wait(timeout=90)
+    assert alone.returncode == 1 and alone.stderr.count("\n") == 1, alone.stderr
+    assert "ps: trainer0 (rank 0) did not come: nothing answered at localhost:" in alone.stderr
+    assert "within 2 s (--init_timeout)" in alone.stderr
+    assert not alone.leftovers()
+
+
+@pytest.mark.slow
+def test_a_waiting_rank_ends_at_once_on_ctrl_c_or_sigterm(runs):
+    """A rank alone, waiting for the others (rank 0, which hosts the rendezvous, and a rank that
+    waits to reach it), ends within 2 s of SIGINT (Ctrl-C) or SIGTERM with one line."""
+    cases = [("param_server", 0, signal.SIGINT, "parameter_server"),
+             ("ddp_rpc_hybrid", 2, signal.SIGTERM, "ps")]
+    started = [start(runs, key, "--master_port", find_free_port(), rank=rank)
+               for key, rank, _, _ in cases]
+    for run, (_, _, number, name) in zip(started, cases, strict=True):
+        run.wait_for_output(WAITING, timeout=90)
+        time.sleep(0.5)  # well into the wait, not at its first step
+        sent = time.monotonic()
+        run.proc.send_signal(number)
+        run.wait(timeout=30)
+        assert time.monotonic() - sent < 2, run.output
+        assert run.returncode == 128 + number, run.output
+        suffix = "" if number == signal.SIGINT else " (SIGTERM)"
+        assert run.stderr == f"{name}: interrupted{suffix}\n", run.stderr
+        # multiprocessing's resource tracker, which the spawn start method starts, ends as it
+        # reads the end of the command's pipe: a moment after the command
+        assert not run.leftovers(grace=3)
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_run_is_every_terminals_last_line(runs):
+    """Ctrl-C mid-run: to the agent's terminal (rl_cartpole, one rank a terminal; its loop
+    prints every episode, on the thread that the harness does not stop), and to every process
+    of a spawn-all run, as a terminal sends it: each terminal's last line is the harness's, none
+    of the loop's lines after it."""
+    port = find_free_port()
+    ranks = [start(runs, "rl_cartpole", "--master_port", port, rank=rank, endless=True,
+                   merged=True) for rank in (1, 0)]
+    spawn_all = start(runs, "rl_cartpole/batch.py", "--master_port", find_free_port(),
+                      endless=True, merged=True)
+    _wait_any(ranks, RUNS["rl_cartpole"].working)
+    spawn_all.wait_for_output(RUNS["rl_cartpole/batch.py"].working, timeout=90)
+    observer, agent = ranks
+    sent = time.monotonic()
+    os.killpg(agent.proc.pid, signal.SIGINT)
+    os.killpg(spawn_all.proc.pid, signal.SIGINT)
+    for run in (agent, spawn_all):
+        run.wait(timeout=30)
+        assert time.monotonic() - sent < 2 and run.returncode == 130, run.output
+    assert agent.last_line == "agent: interrupted", agent.output
+    assert spawn_all.last_line == "interrupted; stopped every rank", spawn_all.output
+    observer.wait(timeout=EXIT_BOUND_SECONDS + 30)
+    assert observer.returncode == 1, observer.output
+    assert observer.last_line == ("observer1: lost contact with agent (rank 0, its connection "
+                                  "closed); stopping"), observer.output
+    for run in runs:
+        assert not run.leftovers()
+
+
+@pytest.mark.slow
+def test_ranks_with_different_flags_end_at_once_naming_the_flag(runs):
+    """Rank 0 and one rank that differs from it, while a third rank is still missing: each says
+    at once the same line naming the flag, both values and both ranks (the variant's own names
+    for its ranks), status 2; the rank that differs ends at once, rank 0 (which holds the store)
+    once the missing rank could have read the verdict: by its --init_timeout. Then a world size
+    that differs."""
+    port = find_free_port()
+    batch = [start(runs, "param_server", "--world_size", 3, "--master_port", port,
+                   "--init_timeout", 4, rank=0),
+             start(runs, "param_server/batch.py", "--master_port", port, rank=1)]
+    port = find_free_port()
+    worlds = [start(runs, "rl_cartpole", "--master_port", port, "--init_timeout", 4, rank=0),
+              start(runs, "rl_cartpole", "--world_size", 3, "--master_port", port, rank=2)]
+    for ranks, expected in ((batch, "script is main.py on rank 0 (parameter_server) but batch.py "
+                                    "on rank 1 (trainer1)"),
+                            (worlds, "--world_size is 2 on rank 0 (agent) but 3 on rank 2 "
+                                     "(observer2)")):
+        for run in ranks:
+            run.wait_for_output(WAITING.replace("60", r"\d+"), timeout=90)
+        everyone_started = time.monotonic()
+        for run in ranks:
+            run.wait_for_output("start every rank with the same values", timeout=10)
+            assert time.monotonic() - everyone_started < 10, run.output
+        ranks[1].wait(timeout=10)
+        ranks[0].wait(timeout=30)
+        for run in ranks:
+            assert run.returncode == 2, run.output
+            assert run.stderr.count("\n") == 1 and expected in run.stderr, run.stderr
+            assert not run.leftovers(grace=3)  # the resource tracker ends just after
+
+
+@pytest.mark.slow
+def test_a_rank_started_twice_is_told_it_is_taken(runs):
+    """The second command ends with one line; the run goes on."""
+    port = find_free_port()
+    agent = start(runs, "rl_cartpole", "--master_port", port, rank=0, endless=True)
+    first = start(runs, "rl_cartpole", "--master_port", port, rank=1, endless=True)
+    first.wait_for_output(r"^observer1: joined", timeout=90)
+    second = start(runs, "rl_cartpole", "--master_port", port, rank=1).wait(timeout=60)
+    assert second.returncode == 2
+    assert re.search(r"^observer1: rank 1 is taken: process \d+ on \S+ joined as rank 1 first; "
+                     r"give every rank its own --rank\n\Z", second.stderr, re.M), second.stderr
+    assert agent.proc.poll() is None and first.proc.poll() is None
+
+
+# --------- torchrun, and several hosts --------------------
+
+@pytest.mark.slow
+def test_torchrun_runs_every_rank_and_ends_with_its_agent(runs, tmp_path):
+    """torchrun's agent starts the commands (one a rank), which it gives no death signal: a run,
+    then the agent killed mid-run: every command and rank ends with it."""
+    config = RUNS["rl_cartpole"]
+    script = example_command(config.name, *config.quick, *TCP, "--summary_json",
+                             tmp_path / "summary.json")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                str(config.world_size)]
+    run = runs.start_command([*torchrun, "--master_port", str(find_free_port()),
+                              *script[1:]]).wait(timeout=120)
+    assert run.returncode == 0, run.output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["observers"] == config.world_size - 1
+    assert not run.leftovers()
+    endless = example_command(config.name, *config.endless, *TCP)
+    agent = runs.start_command([*torchrun, "--master_port", str(find_free_port()),
+                                *endless[1:]])
+    agent.wait_for_output(config.working, timeout=120)
+    commands = agent.children()
+    assert len(commands) == config.world_size
+    os.kill(agent.proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + EXIT_BOUND_SECONDS
+    while any(_processes(lambda stat, pid=pid: stat[1] == pid) for pid in commands) or any(
+            Path(f"/proc/{pid}").exists() and _proc_state(pid) != "Z" for pid in commands):
+        assert time.monotonic() < deadline, "torchrun's commands outlived it"
+        time.sleep(0.1)
+
+
+def _proc_state(pid):
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "Z"
+    return stat[stat.rindex(")") + 2:].split()[0]
+
+
+def _ip(*args, check=True):
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair, with private addresses: two 'machines'."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("needs root and iproute2's ip to create network namespaces")
+    tag = f"{os.getpid() % 10000}"
+    hosts = [f"rpcA{tag}", f"rpcB{tag}"]
+    subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+    addresses = [f"{subnet}.1", f"{subnet}.2"]
+    try:
+        for host in hosts:
+            _ip("netns", "add", host)
+        _ip("link", "add", f"ve{tag}a", "type", "veth", "peer", "name", f"ve{tag}b")
+        for host, end, address in zip(hosts, "ab", addresses, strict=True):
+            _ip("link", "set", f"ve{tag}{end}", "netns", host)
+            _ip("-n", host, "addr", "add", f"{address}/24", "dev", f"ve{tag}{end}")
+            _ip("-n", host, "link", "set", f"ve{tag}{end}", "up")
+            _ip("-n", host, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as err:
+        for host in hosts:
+            _ip("netns", "del", host, check=False)
+        pytest.skip(f"cannot create network namespaces here: {err.stderr.strip()}")
+    yield list(zip(hosts, addresses, strict=True))
+    for host in hosts:
+        for pid in _ip("netns", "pids", host, check=False).stdout.split():
+            os.kill(int(pid), signal.SIGKILL)
+        _ip("netns", "del", host, check=False)
+
+
+@pytest.mark.slow
+def test_ranks_on_two_hosts(two_hosts, runs, tmp_path):
+    """ddp_rpc_hybrid (RPC, and the trainers' process group) with rank 0 on one host and the
+    others on another, as on two machines."""
+    key = "ddp_rpc_hybrid"
+    (host_a, addr_a), (host_b, _) = two_hosts
+    common = ["--master_addr", addr_a, "--master_port", find_free_port(),
+              "--summary_json", tmp_path / "summary.json"]
+    processes = [start(runs, key, *common, rank=rank,
+                       prefix=["ip", "netns", "exec", host_a if rank == 0 else host_b])
+                 for rank in range(RUNS[key].world_size)]
+    for process in processes:
+        process.wait(timeout=120)
+        assert process.returncode == 0, process.output
+    assert (tmp_path / "summary.json").exists()
