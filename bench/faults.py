@@ -29,6 +29,7 @@ import argparse
 import os
 import platform
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -175,6 +177,36 @@ def children(pid):
     return [child for _, child in found if "resource_tracker" not in _cmdline(child)]
 
 
+# The terminals of the cells under way, so that a Ctrl-C or SIGTERM to this program ends them
+# too: each is a session of its own, which a terminal's Ctrl-C does not reach.
+_in_play = []
+_in_play_lock = threading.Lock()
+_ending = threading.Event()
+
+
+class _Ended(Exception):
+    """This program was told to end (Ctrl-C, SIGTERM)."""
+
+
+def _raise_ended(number, frame):
+    raise _Ended()
+
+
+def end_every_terminal():
+    """Stop starting terminals, and SIGKILL every process of the terminals under way: one
+    snapshot of the process tree first, so that a command's processes are found through it
+    before any of them ends."""
+    with _in_play_lock:
+        _ending.set()
+        terminals = list(_in_play)
+    processes = _all_processes()
+    pids = {pid for terminal in terminals for pid in terminal.session(processes)}
+    for pid in pids:
+        with _gone_already():
+            os.kill(pid, signal.SIGKILL)
+    return len(terminals)
+
+
 class Terminal:
     """One command, as a user starts it in a terminal: a session of its own, its standard
     output and error in one file."""
@@ -183,9 +215,13 @@ class Terminal:
         self.name = name
         self.log = folder / f"{re.sub(r'[^a-z0-9]+', '-', name.lower())}.log"
         self.cmd = [str(part) for part in cmd]
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(self.cmd, env=env, cwd=ROOT, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+        with _in_play_lock:
+            if _ending.is_set():  # Ctrl-C or SIGTERM to this program: no new terminal
+                raise _Ended()
+            with open(self.log, "w") as log:
+                self.proc = subprocess.Popen(self.cmd, env=env, cwd=ROOT, stdout=log,
+                                             stderr=subprocess.STDOUT, start_new_session=True)
+            _in_play.append(self)
         self.ended_at = None
 
     @property
@@ -228,6 +264,7 @@ class Cell:
     seconds: float = None  # from the fault until the last process was gone
     left: int = 0  # processes alive LEFT_SECONDS after the terminals ended
     problem: str = ""  # what did not happen as it should, if anything
+    wall: float = None  # the cell's own seconds, from its first terminal's start
 
 
 def start_terminals(program, mode, fault, port, env, folder):
@@ -354,6 +391,7 @@ class _gone_already:
 def run_cell(program, mode, fault, folder):
     """Run one cell: start, fault, wait for the end; what each terminal showed."""
     cell = Cell(program.path, mode, fault)
+    cell_started = time.monotonic()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
@@ -407,6 +445,10 @@ def run_cell(program, mode, fault, folder):
                 os.kill(pid, signal.SIGKILL)
         for terminal in terminals:
             terminal.proc.wait()
+        with _in_play_lock:
+            for terminal in terminals:
+                _in_play.remove(terminal)
+    cell.wall = round(time.monotonic() - cell_started, 1)
     for terminal in terminals:
         seconds = None if terminal.ended_at is None else round(terminal.ended_at - fault_at, 1)
         cell.terminals.append((terminal.name, terminal.last_line(), terminal.proc.returncode,
@@ -573,38 +615,75 @@ def main():
     parser.add_argument("--no_write", "--no-write", action="store_true",
                         help=f"print the cells, do not write {RESULTS.name}")
     args = parser.parse_args()
+    # Each terminal gets Ctrl-C (SIGINT) as a terminal's command does. Started in the background
+    # of a non-interactive shell (`make faults &`, nohup), this process inherits SIGINT ignored,
+    # and so would every command it starts: the Monarch programs, which keep Python's handling of
+    # SIGINT, then ran on past their Ctrl-C. Python's own handler here: a command started from
+    # this process gets SIGINT's default, as exec resets a handled signal.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     started = time.monotonic()
     todo = list(cells_to_run(args))
     printing = threading.Lock()
     cells = [None] * len(todo)
 
+    # Two lanes: the cells that spend most of their time waiting for a bound (--init_timeout,
+    # --rpc_timeout) run beside the others, one of each at a time; the waiting lane, its own
+    # cells done, takes the others' from the end of their list. One cell at a time, a matrix of
+    # 212 cells took 36 minutes on 2 cores; with the waiting cells beside the others, 31, the
+    # waiting lane idle for its last 13. Where cells overlap, a cell's seconds include the
+    # other's load.
+    waiting = deque(number for number, (_, _, fault) in enumerate(todo)
+                    if fault in WAITING_FAULTS)
+    busy = deque(number for number in range(len(todo)) if number not in waiting)
+    taking = threading.Lock()
+
+    def next_cell(lane):
+        """The next cell's number for `lane` (None: none left)."""
+        with taking:
+            if args.one_at_a_time:
+                queue = busy if busy else waiting
+                return queue.popleft() if queue else None
+            if lane == "waiting" and waiting:
+                return waiting.popleft()
+            if lane == "waiting":
+                return busy.pop() if busy else None
+            return busy.popleft() if busy else None
+
     def run(lane):
-        for number in lane:
+        while not _ending.is_set() and (number := next_cell(lane)) is not None:
             program, mode, fault = todo[number]
             folder = Path(scratch) / str(number)
             folder.mkdir()
-            cell = run_cell(program, mode, fault, folder)
+            try:
+                cell = run_cell(program, mode, fault, folder)
+            except _Ended:  # the main thread ends every terminal, and this program
+                return
             cells[number] = cell
             with printing:
                 print(f"{program.path} {mode} {fault}: {check(cell) or 'ok'}; gone in "
-                      f"{cell.seconds} s", flush=True)
+                      f"{cell.seconds} s; the cell took {cell.wall} s", flush=True)
                 for name, line, status, ended in cell.terminals:
                     print(f"    {name}: {line[:160]!r} ({status_shown(status)}, {ended} s)",
                           flush=True)
 
-    # Two lanes: the cells that spend most of their time waiting for a bound (--init_timeout,
-    # --rpc_timeout) run beside the others, one of each at a time: a matrix of 212 cells took
-    # 35 minutes on 2 cores one cell at a time. Where they overlap, a cell's seconds include
-    # the other's load.
-    waiting = [number for number, (_, _, fault) in enumerate(todo) if fault in WAITING_FAULTS]
-    busy = [number for number in range(len(todo)) if number not in waiting]
-    lanes = [busy + waiting] if args.one_at_a_time else [busy, waiting]
-    with tempfile.TemporaryDirectory(prefix="faults-") as scratch:
-        threads = [threading.Thread(target=run, args=(lane,)) for lane in lanes]
+    lanes = ["busy"] if args.one_at_a_time else ["busy", "waiting"]
+    signal.signal(signal.SIGTERM, _raise_ended)
+    scratch = tempfile.mkdtemp(prefix="faults-")
+    try:
+        # Daemons: on Ctrl-C or SIGTERM this thread ends their terminals, and the program.
+        threads = [threading.Thread(target=run, args=(lane,), daemon=True) for lane in lanes]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
+    except (KeyboardInterrupt, _Ended) as ended:
+        count = end_every_terminal()
+        shutil.rmtree(scratch, ignore_errors=True)
+        print(f"interrupted: ended the {count} terminal(s) of the cells under way; "
+              f"{RESULTS.name} not written", file=sys.stderr, flush=True)
+        os._exit(130 if isinstance(ended, KeyboardInterrupt) else 143)
+    shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.monotonic() - started
     if not args.no_write:
         write(cells, seconds, args.quick)

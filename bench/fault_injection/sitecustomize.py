@@ -9,7 +9,10 @@ ranks, torchrun's agent, Monarch's processes. FAULTS_RAISE says where the error 
 The error is the example's own, as far as the harness can tell: raised in the rank's code, where
 it calls the harness. FAULTS_RAISED is the file where the process that raises writes the time."""
 
+import importlib.abc
+import importlib.machinery
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -45,9 +48,15 @@ def _in_rank(name, victim, calls):
 
 
 def _in_actor(path, calls):
-    from rpc_harness import monarch_runs
-
+    # Patched once the program imports monarch_runs, not sooner: importing it here would put
+    # torch's import into the start of every Monarch process, which Monarch gives 30 s to be
+    # ready; beside another cell on 2 cores, one run's processes took longer.
     os.environ.setdefault("FAULTS_CONTROLLER", str(os.getpid()))  # the first: the command
+    _after_import("rpc_harness.monarch_runs", lambda monarch_runs: _patch_actor(
+        monarch_runs, path, calls))
+
+
+def _patch_actor(monarch_runs, path, calls):
     owner_name, _, name = path.rpartition(".")
     owner = getattr(monarch_runs, owner_name) if owner_name else monarch_runs
     original = getattr(owner, name)
@@ -66,6 +75,35 @@ def _in_actor(path, calls):
         return original(*args, **kwargs)
 
     setattr(owner, name, injected)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls then(module) as soon as the module `name` has been imported (and its code run)."""
+
+    def __init__(self, name, then):
+        self.name = name
+        self.then = then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run_the_module = spec.loader.exec_module
+        then = self.then
+
+        def exec_module(module):
+            run_the_module(module)
+            then(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _after_import(name, then):
+    sys.meta_path.insert(0, _AfterImport(name, then))
 
 
 if _SPEC:
