@@ -3,12 +3,12 @@ learning rate and number of trainers, on what PyTorch offers today beside RPC.
 
 Monarch (PyPI: torchmonarch) is a single-controller framework: this command is the controller.
 It starts every process itself, puts a parameter-server actor that owns the model and the
-optimizer in its own process, and a mesh of trainer actors in the others, which fetch the model
-and push their gradients as batch.py's trainers do with update_and_fetch_model. Nothing joins a
-world and nothing meets at an address and port: the actors talk through the references that the
-controller hands them. main.py's way, a remote forward pass through distributed autograd and
-DistributedOptimizer, has no Monarch counterpart: Monarch has no autograd across processes
-(README.md, "The same program as Monarch actors").
+optimizer in this command's own process, and a mesh of trainer actors in the others, one a
+process, which fetch the model and push their gradients as batch.py's trainers do with
+update_and_fetch_model. Nothing joins a world and nothing meets at an address and port: the
+actors talk through the references that the controller hands them. main.py's way, a remote
+forward pass through distributed autograd and DistributedOptimizer, has no Monarch counterpart:
+Monarch has no autograd across processes (README.md, "The same program as Monarch actors").
 
     python actors.py --dataset synthetic             # a parameter server and 3 trainers
 """
