@@ -237,6 +237,9 @@ def one_line_on_failure(role):
     - an error raised in an endpoint: the actor's traceback, then one line naming the
       endpoint and the error, status 1.
     - Ctrl-C: "interrupted; stopped every process", status 130; SIGTERM, 143.
+    - done: the body has printed the run's last line; the processes left are stopped and the
+      command ends, status 0, without Python's exit (os._exit), at which Monarch's threads
+      could abort it.
 
     The command stops every process it started before its line (and Monarch ends them when the
     command ends, however it ends: they die with their parent, PR_SET_PDEATHSIG)."""
@@ -271,6 +274,13 @@ def one_line_on_failure(role):
         # not one of those expected: printed whole.
         _wait_for_a_failed_process()
         raise
+    else:
+        # The run is done and has printed its last line: it ends here, as the RPC ranks do
+        # (os._exit). At Python's own exit, finalization ends each thread that then asks for
+        # the interpreter with pthread_exit; a Monarch thread in native code that catches every
+        # exception then stopped the process with "FATAL: exception not rethrown" and SIGABRT
+        # (status -6, after the summary, in 1 of 2 runs of `make test`).
+        _end(None, 0)
 
 
 def _on_sigterm(number, frame):
@@ -292,7 +302,8 @@ _ending_now = threading.Event()
 
 def _end(line, status, before=None):
     """End the run now: stop every process this command started, then print `before` (an
-    actor's traceback) and the run's last line, and end this process with `status`. Whichever
+    actor's traceback) and the run's last line (None: the run has printed it), and end this
+    process with `status`. Whichever
     thread comes first; a second waits for the end."""
     if not _ending.acquire(blocking=False):
         threading.Event().wait()
@@ -305,8 +316,9 @@ def _end(line, status, before=None):
     nowhere = os.open(os.devnull, os.O_WRONLY)  # this process's own threads: quiet from now on
     os.dup2(nowhere, 1)
     os.dup2(nowhere, 2)
-    text = (before.rstrip() + "\n" if before else "") + line + "\n"
-    os.write(terminal, text.encode())
+    text = (before.rstrip() + "\n" if before else "") + (line + "\n" if line else "")
+    if text:
+        os.write(terminal, text.encode())
     os._exit(status)
 
 
