@@ -88,7 +88,13 @@ run: $(VENV)/.run-installed
 # 2 cores before the Monarch programs came, which `bench.py --monarch` alone measures in 14;
 # QUICK=1: one shorter repetition). SOLVE=1: instead, rl_cartpole trained until solved, three
 # ways, into bench/SOLVE.md (17 minutes here; more when a run needs many episodes).
-bench: $(VENV)/.dev-installed
+# Ray (bench/requirements-ray.txt) is installed for `make bench` alone: its parameter server
+# is a row of the Monarch tables.
+$(VENV)/.bench-installed: bench/requirements-ray.txt $(VENV)/.dev-installed
+	$(PY) -m pip install --quiet -r bench/requirements-ray.txt
+	touch $@
+
+bench: $(VENV)/.bench-installed
 	$(PY) bench/bench.py $(if $(QUICK),--quick) $(if $(SOLVE),--solve)
 
 # bench/FAULTS-<cores>-cores.md: every entry point in every launch mode under every fault a

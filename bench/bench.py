@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from rpc_roundtrip import SIZES
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -38,6 +39,7 @@ CORES = len(os.sched_getaffinity(0))
 RESULTS, CHART = BENCH / f"RESULTS-{CORES}-cores.md", BENCH / f"ratios-{CORES}-cores.png"
 PIPELINES = BENCH / f"PIPELINES-{CORES}-cores.md"
 MONARCH_RESULTS = BENCH / f"MONARCH-{CORES}-cores.md"
+SCALING_CHART = BENCH / f"scaling-{CORES}-cores.png"
 # Every run here on the CPU, GPUs hidden: the examples and baselines would pick CUDA on their
 # own, and the comparisons are of CPUs.
 CPU_ONLY = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -177,15 +179,21 @@ class Comparison:
         return next((variant for variant in self.variants if variant.label == label), None)
 
 
+def example_with(folder, name, example_name, module, old, new):
+    """A copy of the example's folder whose `module` has `new` where it has `old`, for a
+    "before" or a lever's variant. Returns the copy's folder."""
+    copy = Path(folder) / name
+    shutil.copytree(ROOT / example_name, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    text = (copy / module).read_text()
+    assert text.count(old) == 1, f"{example_name}/{module} no longer has {old.strip()}"
+    (copy / module).write_text(text.replace(old, new))
+    return copy
+
+
 def param_server_without(folder, name, module, line):
     """A copy of param_server/ whose `module` lacks `line`, for a "before" variant. Returns its
     main.py."""
-    copy = Path(folder) / name
-    shutil.copytree(ROOT / "param_server", copy, ignore=shutil.ignore_patterns("__pycache__"))
-    text = (copy / module).read_text()
-    assert text.count(line) == 1, f"param_server/{module} no longer has {line.strip()}"
-    (copy / module).write_text(text.replace(line, ""))
-    return copy / "main.py"
+    return example_with(folder, name, "param_server", module, line, "") / "main.py"
 
 
 def param_server_before_profile(folder):
@@ -213,6 +221,96 @@ MONARCH = "Monarch (actors.py)"
 ONE_BATCH = "1 trainer, batch.py"
 ONE_MONARCH = f"1 trainer, {MONARCH}"
 THREE_MONARCH = f"3 trainers, {MONARCH}"
+# The Monarch programs as they were before they were written as Monarch's users write actors
+# (the commit before: plain endpoints that block on get(), two calls a CartPole step), run from
+# that commit's tree: the "before" of each lever.
+MONARCH_BEFORE_COMMIT = "917de55"
+MONARCH_BEFORE = "Monarch before: plain endpoints, blocking get()"
+ONE_MONARCH_BEFORE = f"1 trainer, {MONARCH_BEFORE}"
+THREE_MONARCH_BEFORE = f"3 trainers, {MONARCH_BEFORE}"
+# rl_cartpole/actors.py's levers: every reward a call (async endpoints, rewards not one-way),
+# and --batch (batch.py's agent: one forward pass, one call a step).
+MONARCH_EVERY_REWARD_A_CALL = "Monarch, async endpoints, every reward a call"
+MONARCH_BATCH = "Monarch (actors.py --batch)"
+# Ray Core's synchronous parameter server (bench/ray_param_server.py), where Ray is installed.
+RAY = "Ray (its parameter-server example)"
+ONE_RAY = f"1 trainer, {RAY}"
+THREE_RAY = f"3 trainers, {RAY}"
+# How each parameter-server program's rate grows with the trainers (the scaling chart): 1 and
+# 3 on every machine, 7 and 15 where there are 16 cores or more.
+SCALING_TRAINERS = (1, 3, 7, 15) if CORES >= 16 else (1, 3)
+
+
+# The scaling chart's programs: (name, script or None for Ray, label of 1 trainer's variant,
+# label of 3 trainers').
+SCALING_PROGRAMS = [
+    ("main.py (RPC, the tutorial's)", "main.py", "1 trainer", "3 trainers"),
+    ("batch.py (RPC, batch updates)", "batch.py", ONE_BATCH, "3 trainers, batch.py"),
+    ("actors.py (Monarch)", "actors.py", ONE_MONARCH, THREE_MONARCH),
+    ("Ray's parameter server", None, ONE_RAY, THREE_RAY),
+]
+
+
+def scaling_label(program, trainers):
+    """The variant of `program` (a SCALING_PROGRAMS entry) with `trainers` trainers."""
+    name, _, one, three = program
+    return {1: one, 3: three}.get(trainers, f"{trainers} trainers, {name}")
+
+
+def scaling_variants(quick):
+    """The parameter-server programs with more trainers than 3 (SCALING_TRAINERS), for the
+    scaling chart: each trainer max(10, batches / trainers) batches."""
+    samples = lambda s: s["samples_per_second"]  # noqa: E731
+    window = (r"training batch 0 loss", r"^Training complete!")
+    variants = []
+    for trainers in SCALING_TRAINERS:
+        if trainers in (1, 3):
+            continue
+        batches = max(10, ps_batches(quick) // trainers)
+        flags = ("--world_size", trainers + 1, "--dataset", "synthetic", "--max_batches", batches)
+        for program in SCALING_PROGRAMS:
+            label = scaling_label(program, trainers)
+            script = program[1]
+            if script == "actors.py":
+                variants.append(Variant(label, monarch_example("param_server", *flags), samples,
+                                        window, detail=True))
+            elif script:
+                variants.append(Variant(label, example("param_server", *flags, script=script),
+                                        samples, window, detail=True))
+            elif ray_installed():
+                variants.append(Variant(label, ray_example(trainers, batches), samples,
+                                        RAY_WINDOW, detail=True))
+    return variants
+
+
+def ray_installed():
+    import importlib.util
+
+    return importlib.util.find_spec("ray") is not None
+
+
+# The training's first and last lines in ray_param_server.py's output.
+RAY_WINDOW = (r"^Ray: training", r"^Ray: trained")
+
+
+def ray_example(trainers, batches):
+    return [PY, BENCH / "ray_param_server.py", "--trainers", trainers, "--max_batches", batches,
+            "--summary_json", "{summary}"]
+
+
+def monarch_before(folder):
+    """The tree of MONARCH_BEFORE_COMMIT (its param_server, rl_cartpole and rpc_harness), and
+    the environment that runs its programs with its own harness. None where git cannot give
+    it (a copy without the history)."""
+    tree = Path(folder) / "monarch_before"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", ROOT, "archive", MONARCH_BEFORE_COMMIT,
+                              "param_server", "rl_cartpole", "rpc_harness"],
+                             capture_output=True, check=False)
+    if archive.returncode != 0:
+        return None, None
+    subprocess.run(["tar", "-x", "-C", tree], input=archive.stdout, check=True)
+    return tree, {"PYTHONPATH": str(tree)}
 
 
 def comparisons(quick, folder):
@@ -232,6 +330,17 @@ def comparisons(quick, folder):
                    "--max_batches", ps_batches(quick))
     before_profile = [PY, param_server_before_profile(folder), "--master_port", "{port}",
                       "--summary_json", "{summary}", "--data_dir", ROOT / "data", *one_trainer]
+    three_trainers = ("--world_size", 4, "--dataset", "synthetic",
+                      "--max_batches", ps_batches(quick) // 3)
+    before_tree, before_env = monarch_before(folder)
+
+    def before(name, *flags):
+        return [PY, before_tree / name / "actors.py", "--summary_json", "{summary}", *flags]
+
+    every_reward_a_call = example_with(
+        folder, "rl_every_reward_a_call", "rl_cartpole", "actors.py",
+        "            agent.report_reward.broadcast(self.id, reward)\n",
+        "            await agent.report_reward.call_one(self.id, reward)\n") / "actors.py"
     all_comparisons = [
         Comparison("param_server", "param_server: training throughput", "samples/s", [
             Variant("one process"),
@@ -256,10 +365,16 @@ def comparisons(quick, folder):
                     samples, ps_window),
             Variant(ONE_MONARCH, monarch_example("param_server", *one_trainer), samples,
                     ps_window),
-            Variant(THREE_MONARCH,
-                    monarch_example("param_server", "--world_size", 4, "--dataset", "synthetic",
-                                    "--max_batches", ps_batches(quick) // 3), samples,
+            Variant(THREE_MONARCH, monarch_example("param_server", *three_trainers), samples,
                     ps_window),
+            *([Variant(ONE_MONARCH_BEFORE, before("param_server", *one_trainer), samples,
+                       ps_window, env=before_env),
+               Variant(THREE_MONARCH_BEFORE, before("param_server", *three_trainers), samples,
+                       ps_window, env=before_env)] if before_tree else []),
+            *([Variant(ONE_RAY, ray_example(1, ps_batches(quick)), samples, RAY_WINDOW),
+               Variant(THREE_RAY, ray_example(3, ps_batches(quick) // 3), samples, RAY_WINDOW)]
+              if ray_installed() else []),
+            *scaling_variants(quick),
         ]),
         Comparison("rl_cartpole_1", "rl_cartpole, 1 observer: environment steps", "steps/s", [
             Variant("one process, 1 environment"),
@@ -269,6 +384,13 @@ def comparisons(quick, folder):
                                         script="batch.py"), steps, rl_window),
             Variant(MONARCH, monarch_example("rl_cartpole", "--max_episodes", rl_episodes),
                     steps, rl_window),
+            Variant(MONARCH_BATCH, monarch_example("rl_cartpole", "--batch", "--max_episodes",
+                                                   rl_episodes), steps, rl_window),
+            Variant(MONARCH_EVERY_REWARD_A_CALL,
+                    [PY, every_reward_a_call, "--summary_json", "{summary}", "--max_episodes",
+                     rl_episodes], steps, rl_window),
+            *([Variant(MONARCH_BEFORE, before("rl_cartpole", "--max_episodes", rl_episodes),
+                       steps, rl_window, env=before_env)] if before_tree else []),
         ]),
         Comparison("rl_cartpole_4", "rl_cartpole, 4 observers: environment steps", "steps/s", [
             Variant("one process, 4 environments"),
@@ -281,6 +403,12 @@ def comparisons(quick, folder):
             Variant(MONARCH,
                     monarch_example("rl_cartpole", "--world_size", 5, "--max_episodes",
                                     rl_episodes_4), steps, rl_window),
+            Variant(MONARCH_BATCH,
+                    monarch_example("rl_cartpole", "--batch", "--world_size", 5,
+                                    "--max_episodes", rl_episodes_4), steps, rl_window),
+            *([Variant(MONARCH_BEFORE, before("rl_cartpole", "--world_size", 5, "--max_episodes",
+                                              rl_episodes_4), steps, rl_window, env=before_env)]
+              if before_tree else []),
         ]),
         Comparison("rnn_model_parallel", "rnn_model_parallel: iterations", "it/s", [
             Variant("one process"),
@@ -379,19 +507,27 @@ def measure_threads(repeats, quick):
 
 
 def rpc_roundtrip(repeats):
-    """{payload: {"rpc": [...], "tcp": [...], "monarch": [...]}}: seconds a round trip, one
-    figure a repetition, from rpc_roundtrip.py and monarch_roundtrip.py."""
+    """{payload: {"rpc": [...], "tcp": [...], "monarch ipc": [...], ...}}: seconds a round trip
+    (or, for Monarch's one-way sends and RDMABuffer reads, a message one way), one figure a
+    repetition, from rpc_roundtrip.py and monarch_roundtrip.py."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "roundtrip.json"
         subprocess.run([PY, BENCH / "rpc_roundtrip.py", "--repeats", str(repeats), "--port",
                         str(free_port()), "--tcp_port", str(free_port()), "--out", str(out)],
                        env=CPU_ONLY, check=True, capture_output=True, timeout=600)
         results = json.loads(out.read_text())
-        subprocess.run([PY, BENCH / "monarch_roundtrip.py", "--repeats", str(repeats), "--out",
-                        str(out)], env=CPU_ONLY, check=True, capture_output=True, timeout=600)
-        for size, times in json.loads(out.read_text()).items():
-            results[size].update(times)
+        for transport in MONARCH_TRANSPORTS:
+            subprocess.run([PY, BENCH / "monarch_roundtrip.py", "--repeats", str(repeats),
+                            "--transport", transport, "--out", str(out)], env=CPU_ONLY,
+                           check=True, capture_output=True, timeout=600)
+            for size, times in json.loads(out.read_text()).items():
+                results.setdefault(size, {}).update(times)
         return results
+
+
+# Monarch's channels between processes that monarch_roundtrip.py measures: Unix sockets (its
+# default on one host) and TCP.
+MONARCH_TRANSPORTS = ("ipc", "tcp")
 
 
 # (label, script, flags, runs): the default command several times, as runs of one seed drift
@@ -647,22 +783,30 @@ def measure_pipelines(repeats, quick):
 
 # --------- Monarch beside RPC --------------------
 
-# (comparison, variants, the RPC programs' counterparts): what MONARCH-<cores>-cores.md shows.
+# (comparison, variants, the RPC program that the Monarch and Ray rows mirror): what
+# MONARCH-<cores>-cores.md shows.
 MONARCH_TABLES = [
-    ("param_server", ("one process", "1 trainer", ONE_BATCH, ONE_MONARCH)),
-    ("param_server", ("one process", "3 trainers", "3 trainers, batch.py", THREE_MONARCH)),
-    ("rl_cartpole_1", ("one process, 1 environment", "tutorial mode", "batch.py", MONARCH)),
-    ("rl_cartpole_4", ("one process, 4 environments", "tutorial mode", "batch.py", MONARCH)),
+    ("param_server", ("one process", "1 trainer", ONE_BATCH, ONE_MONARCH_BEFORE, ONE_MONARCH,
+                      ONE_RAY), ONE_BATCH),
+    ("param_server", ("one process", "3 trainers", "3 trainers, batch.py", THREE_MONARCH_BEFORE,
+                      THREE_MONARCH, THREE_RAY), "3 trainers, batch.py"),
+    ("rl_cartpole_1", ("one process, 1 environment", "tutorial mode", "batch.py",
+                       MONARCH_BEFORE, MONARCH_EVERY_REWARD_A_CALL, MONARCH, MONARCH_BATCH),
+     "tutorial mode"),
+    ("rl_cartpole_4", ("one process, 4 environments", "tutorial mode", "batch.py",
+                       MONARCH_BEFORE, MONARCH, MONARCH_BATCH), "batch.py"),
 ]
 
 
 def monarch_comparisons(quick, folder):
     """The comparisons that MONARCH_TABLES shows, with only its variants (--monarch)."""
-    keep = {(key, label) for key, labels in MONARCH_TABLES for label in labels}
+    keep = {(key, label) for key, labels, _ in MONARCH_TABLES for label in labels}
+    scaling = {scaling_label(program, trainers) for program in SCALING_PROGRAMS
+               for trainers in SCALING_TRAINERS}
     chosen = []
     for comparison in comparisons(quick, folder):
         comparison.variants = [v for v in comparison.variants
-                               if (comparison.key, v.label) in keep]
+                               if (comparison.key, v.label) in keep or v.label in scaling]
         if comparison.variants:
             chosen.append(comparison)
     return chosen
@@ -681,47 +825,130 @@ def memory_of(variant):
 
 
 def write_monarch(all_comparisons, roundtrip, repeats, seconds, quick, alone=False):
-    """MONARCH-<cores>-cores.md: the Monarch programs beside the RPC ones, from one run."""
+    """MONARCH-<cores>-cores.md: the Monarch programs (and Ray's parameter server) beside the
+    RPC ones, from one run; and the scaling chart."""
     by_key = {comparison.key: comparison for comparison in all_comparisons}
     command = (f"python bench/bench.py --monarch{' --quick' if quick else ''}" if alone
                else f"make bench{' QUICK=1' if quick else ''}")
-    lines = ["# Monarch actors beside RPC", "",
+    lines = ["# Monarch actors and Ray beside RPC", "",
              f"Written by `{command}` on {time.strftime('%Y-%m-%d')}: {repeats} repetition(s), "
              f"the variants in turn, {seconds:.0f} s in all. Machine: {machine()}. torchmonarch "
-             f"{_version('torchmonarch')}.", "",
-             "Each rate is the median of the repetitions (min-max); the ratio is to the same "
-             "work in one process. Peak memory: resident, of each process (MB, medians); the "
-             "RPC programs' command, which only starts and waits for the ranks, is not counted; "
-             "the Monarch programs' controller is, as it holds the parameter server or the "
-             "agent.", ""]
-    for key, labels in MONARCH_TABLES:
+             f"{_version('torchmonarch')}"
+             f"{ray_version()}.",
+             "",
+             "Each rate is the median of the repetitions (min-max); the first ratio is to the same "
+             "work in one process, the second to the RPC program that the row's program mirrors "
+             "(named in each table's title). Peak memory: resident, of each process (MB, "
+             "medians); the RPC programs' command, which only starts and waits for the ranks, is "
+             "not counted; the Monarch programs' controller is, as it holds the parameter server "
+             "or the agent; Ray's processes are not measured. What each row runs: "
+             "[README.md](README.md#monarch-and-ray-beside-rpc).", ""]
+    for key, labels, mirrored in MONARCH_TABLES:
         comparison = by_key[key]
         title = comparison.title if key != "param_server" else (
             f"param_server, {labels[1]}: training throughput")
         lines += [f"## {title}", "",
-                  f"| Program | {comparison.unit} | Ratio to one process | Peak memory, MB |",
-                  "|---|---|---|---|"]
+                  f"| Program | {comparison.unit} | Ratio to one process | Ratio to "
+                  f"{mirrored.split(', ')[-1]} | Peak memory, MB |", "|---|---|---|---|---|"]
         base = comparison.find(labels[0]).median
+        rpc = comparison.find(mirrored).median
         for label in labels:
             variant = comparison.find(label)
+            if variant is None or not variant.values:  # Ray not installed, or no git history
+                continue
             memory = memory_of(variant) if variant.memory else ""
+            versus = f"{variant.median / rpc:.2f}" if label in labels[3:] else ""
             lines.append(f"| {label} | {variant.median:.0f} ({min(variant.values):.0f}-"
-                         f"{max(variant.values):.0f}) | {variant.median / base:.2f} | {memory} |")
+                         f"{max(variant.values):.0f}) | {variant.median / base:.2f} | {versus} | "
+                         f"{memory} |")
         lines.append("")
-    lines += ["## Round trip", "",
-              "A tensor sent to another process and returned: `rpc_sync` of a function that "
-              "returns its argument (bench/rpc_roundtrip.py), an endpoint of a Monarch actor "
-              "that does the same, called with `call_one(...).get()` (bench/monarch_roundtrip.py)"
-              ", and a ping-pong of the same bytes over a TCP connection (the floor):", "",
-              "| Payload | TCP ping-pong | `rpc_sync` | Monarch `call_one` | RPC / TCP | "
-              "Monarch / TCP |", "|---|---|---|---|---|---|"]
-    for size, times in roundtrip.items():
-        tcp = statistics.median(times["tcp"])
-        rpc = statistics.median(times["rpc"])
-        monarch = statistics.median(times["monarch"])
-        lines.append(f"| {size} | {tcp * 1e3:.3f} ms | {rpc * 1e3:.3f} ms | "
-                     f"{monarch * 1e3:.3f} ms | {rpc / tcp:.1f} | {monarch / tcp:.1f} |")
+    lines += scaling_section(by_key["param_server"])
+    lines += ["## Moving a tensor", "",
+              "Between two processes of this machine, each figure in ms: a round trip (the tensor "
+              "goes and comes back) for the TCP ping-pong of the same bytes (the floor, "
+              "bench/rpc_roundtrip.py), `rpc_sync` of a function that returns its argument, and "
+              "a Monarch endpoint that does the same (`call_one(...).get()`); one way for a "
+              "Monarch one-way send (`broadcast`, many in a row) and a read of an `RDMABuffer` "
+              "over its TCP fallback (no RDMA hardware here). Monarch over each of its channels: "
+              "Unix sockets (ipc, its default on one host) and TCP (bench/monarch_roundtrip.py). "
+              "MB/s: the 5 MB payload's bytes moved a second (both ways for a round trip).", "",
+              "| Way | " + " | ".join(SIZES) + " | MB/s at 5 MB |",
+              "|---|" + "---|" * (len(SIZES) + 1)]
+    ways = [("TCP ping-pong (round trip)", "tcp", 2), ("`rpc_sync` (round trip)", "rpc", 2)]
+    for transport in MONARCH_TRANSPORTS:
+        ways += [(f"Monarch {transport}: `call_one` (round trip)", f"monarch {transport}", 2),
+                 (f"Monarch {transport}: `broadcast` (one way)", f"monarch {transport} one-way",
+                  1),
+                 (f"Monarch {transport}: `RDMABuffer.read_into` (one way)",
+                  f"monarch {transport} RDMABuffer", 1)]
+    for name, key, directions in ways:
+        cells = [f"{statistics.median(roundtrip[size][key]) * 1e3:.3f}" for size in SIZES]
+        five = statistics.median(roundtrip["5 MB"][key])
+        lines.append(f"| {name} | " + " | ".join(cells) +
+                     f" | {directions * 5 * 1024 * 1024 / five / 1e6:.0f} |")
+    rpc_step = 2 * statistics.median(roundtrip["tiny"]["rpc"])
+    lines += ["", "A CartPole step's messages, no work in them, ms a step: the RPC programs' "
+              f"two `rpc_sync` round trips (tiny payload, above): {rpc_step * 1e3:.3f}; "
+              "rl_cartpole/actors.py's, an actor's awaited `call_one` and a `broadcast` to an "
+              "actor in another process: " + "; ".join(
+                  f"{transport} {step_ms(roundtrip, transport):.3f}"
+                  for transport in MONARCH_TRANSPORTS) + "."]
     MONARCH_RESULTS.write_text("\n".join(lines) + "\n")
+    write_scaling_chart(by_key["param_server"])
+
+
+def step_ms(roundtrip, transport):
+    """Milliseconds of a CartPole step's Monarch messages (monarch_roundtrip.py's Stepper)."""
+    return statistics.median(roundtrip["step"][f"monarch {transport} step"]) * 1e3
+
+
+def scaling_section(ps):
+    """The scaling table: each parameter-server program's samples/s by number of trainers."""
+    lines = ["## param_server: samples/s as the trainers grow", "",
+             f"Each program with {', '.join(map(str, SCALING_TRAINERS))} trainers (more than 3: "
+             f"max(10, {ps_batches(False)} / trainers) batches each), beside one process "
+             f"({ps.variants[0].median:.0f} samples/s). Chart: [{SCALING_CHART.name}]"
+             f"({SCALING_CHART.name}).", "",
+             "| Program | " + " | ".join(f"{n} trainer{'s' * (n > 1)}" for n in SCALING_TRAINERS)
+             + " |", "|---|" + "---|" * len(SCALING_TRAINERS)]
+    for program in SCALING_PROGRAMS:
+        cells = []
+        for trainers in SCALING_TRAINERS:
+            variant = ps.find(scaling_label(program, trainers))
+            cells.append(f"{variant.median:.0f}" if variant and variant.values else "")
+        if any(cells):
+            lines.append(f"| {program[0]} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def write_scaling_chart(ps):
+    """bench/scaling-<cores>-cores.png: samples/s against trainers, a line a program."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for program in SCALING_PROGRAMS:
+        points = [(trainers, variant.median) for trainers in SCALING_TRAINERS
+                  if (variant := ps.find(scaling_label(program, trainers))) and variant.values]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=program[0])
+    ax.axhline(ps.variants[0].median, color="black", linewidth=0.8, linestyle="--",
+               label="one process")
+    ax.set_xticks(SCALING_TRAINERS)
+    ax.set_xlabel("trainers")
+    ax.set_ylabel("samples/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"param_server: synchronous training as the trainers grow ({CORES} cores)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(SCALING_CHART, dpi=100)
+
+
+def ray_version():
+    """", ray <version>" where Ray is installed, else nothing."""
+    return f", ray {_version('ray')}" if ray_installed() else ""
 
 
 def _version(package):

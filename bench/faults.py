@@ -90,7 +90,7 @@ PROGRAMS = [
     Program("rl_cartpole/batch.py", 3, ["--max_episodes", 100000, "--log_interval", 1],
             r"^Episode 2\t", raises=("profile_step", 0, 4)),
     Program("rl_cartpole/actors.py", 3, ["--max_episodes", 100000, "--log_interval", 1],
-            r"^Episode 2\t", raises=("get", 40), monarch=True),
+            r"^Episode 2\t", raises=("gymnasium.wrappers.common:TimeLimit.step", 40), monarch=True),
     Program("rnn_model_parallel/main.py", 2, ["--epochs", 100000],
             r"^Training epoch 1$", raises=("profile_step", 1, 30)),
     Program("ddp_rpc_hybrid/main.py", 4, ["--epochs", 100000],

@@ -13,6 +13,7 @@ Monarch has no autograd across processes (README.md, "The same program as Monarc
     python actors.py --dataset synthetic             # a parameter server and 3 trainers
 """
 
+import asyncio
 import os
 import sys
 import time
@@ -32,7 +33,13 @@ except ModuleNotFoundError:
 # Monarch's own names. monarch_runs.import_monarch() says in one line what is missing (status
 # 2) where torchmonarch is not installed.
 monarch = monarch_runs.import_monarch()
-from monarch.actor import Actor, current_rank, endpoint, this_host, this_proc  # noqa: E402
+from monarch.actor import (  # noqa: E402
+    Actor,
+    concurrent_endpoint,
+    current_rank,
+    endpoint,
+    this_proc,
+)
 
 from data import equal_share_batches, get_data_loaders  # noqa: E402
 from main import Net, add_training_arguments, check_mnist_folder, get_accuracy  # noqa: E402
@@ -42,20 +49,22 @@ HERE = Path(__file__).resolve().parent
 
 
 class ParameterServer(Actor):
-    """Owns the model and the optimizer. An actor handles one message at a time, so nothing here
+    """batch.py's BatchUpdateParameterServer. Its endpoints are `async def`, as Monarch's docs
+    write them: the actor runs them on its own event loop, one message at a time, so nothing here
     needs batch.py's lock."""
 
     def __init__(self, batch_update_size, num_trainers, args):
         torch.manual_seed(args.seed)  # the initial model, as batch.py's and main.py's servers
         self.model = Net()
+        # batch.py's torch.futures.Future of the next model, here an asyncio one: the actor's
+        # event loop completes it.
+        self.future_model = asyncio.get_running_loop().create_future()
         self.batch_update_size = batch_update_size
         self.curr_update_size = 0
         # plain SGD at --lr, as batch.py's
         self.optimizer = optim.SGD(self.model.parameters(), lr=args.lr)
         for p in self.model.parameters():
             p.grad = torch.zeros_like(p)
-        # The trainers waiting for the next model: the ports their answers go to.
-        self.waiting = []
         # What the summary reports, and the trainers still training (as batch.py's).
         self.trainers_left = num_trainers
         self.versions = 0
@@ -67,24 +76,26 @@ class ParameterServer(Actor):
         self.recorder = monarch_runs.Recorder(args, 0, "parameter_server")
 
     @endpoint
-    def get_model(self):
+    async def get_model(self):
         self.trainers_started += 1
         # The weights, not the module: messages are pickled as they are sent, and every
         # trainer builds its own Net.
         return self.model.state_dict()
 
-    # explicit_response_port: the answer goes to `port` whenever the server sends it, as
-    # batch.py's @rpc.functions.async_execution returns a future and completes it later. The
-    # actor goes on to the next message meanwhile.
-    @endpoint(explicit_response_port=True)
-    def update_and_fetch_model(self, port, grads):
+    # concurrent_endpoint: each call runs as a task of the actor's event loop, so the actor
+    # takes the next trainer's gradients while this one awaits the next model, as batch.py's
+    # @rpc.functions.async_execution frees its RPC thread.
+    @concurrent_endpoint
+    async def update_and_fetch_model(self, grads):
         self.curr_update_size += 1
         self.gradients += 1
         # add the gradients up in the .grad fields
         for p, g in zip(self.model.parameters(), grads, strict=True):
             p.grad += g
-        self.waiting.append(port)
+        # the future of the next model, kept before another step could replace it
+        fut = self.future_model
         self._update_if_all_gradients_are_in()
+        return await fut
 
     def _update_if_all_gradients_are_in(self):
         """One step, once batch_update_size gradients are in (or all that the trainers still
@@ -98,15 +109,16 @@ class ParameterServer(Actor):
         self.optimizer.step()
         # set_to_none=False: the next update adds to .grad, which must stay a tensor
         self.optimizer.zero_grad(set_to_none=False)
-        new_model = self.model.state_dict()
-        for port in self.waiting:
-            port.send(new_model)
-        self.waiting = []
+        # Completing the future answers every waiting trainer, with a copy of the weights:
+        # the next step must not change them while they are sent.
+        new_model = {name: tensor.clone() for name, tensor in self.model.state_dict().items()}
+        self.future_model.set_result(new_model)
+        self.future_model = asyncio.get_running_loop().create_future()
         self.versions += 1
         self.recorder.step(self.versions)
 
     @endpoint
-    def trainer_done(self):
+    async def trainer_done(self):
         self.trainers_left -= 1
         if self.curr_update_size:
             self._update_if_all_gradients_are_in()
@@ -114,13 +126,13 @@ class ParameterServer(Actor):
             self.recorder.stop()  # a run shorter than --profile's window
 
     @endpoint
-    def tested_a_batch(self):
+    async def tested_a_batch(self):
         """Not in batch.py: a trainer measured its accuracy on one more test batch (one-way:
         broadcast). The controller reads it as progress, which bounds its wait."""
         self.batches_tested += 1
 
     @endpoint
-    def figures(self):
+    async def figures(self):
         """What the summary reports of the server, and its process's peak memory."""
         return {"batch_update_size": self.batch_update_size, "model_versions": self.versions,
                 "gradients": self.gradients, "short_updates": self.short_updates,
@@ -153,16 +165,16 @@ class Trainer(Actor):
                     break
                 yield inputs.to(self.device), labels.to(self.device)
 
-    def get(self, answer):
-        """The parameter server's answer; --call_timeout bounds the wait (monarch_runs.get)."""
-        return monarch_runs.get(answer, self.args.call_timeout, "the parameter server")
+    async def answer(self, call):
+        """The parameter server's answer; --call_timeout bounds the wait."""
+        return await monarch_runs.answer(call, self.args.call_timeout, "the parameter server")
 
     @endpoint
-    def train(self):
+    async def train(self):
         name = f"trainer{self.rank}"
         # the initial model, from the parameter server
         m = Net().to(self.device)
-        m.load_state_dict(self.get(self.ps.get_model.call_one()))
+        m.load_state_dict(await self.answer(self.ps.get_model.call_one()))
         print(f"{name} trains its copy of the model on {self.device}, in process "
               f"{os.getpid()}", flush=True)
         # Not in batch.py: --profile's window, batches 3 to 2 + --profile_steps.
@@ -178,10 +190,10 @@ class Trainer(Actor):
             if log:
                 print(f"Rank {self.rank} training batch {i} loss {loss.item()}", flush=True)
             grads = [p.grad.cpu() for p in m.parameters()]
-            m.load_state_dict(self.get(self.ps.update_and_fetch_model.call_one(grads)))
+            m.load_state_dict(await self.answer(self.ps.update_and_fetch_model.call_one(grads)))
         train_seconds = time.perf_counter() - started
         recorder.stop()
-        self.get(self.ps.trainer_done.call_one())
+        await self.answer(self.ps.trainer_done.call_one())
         print("Training complete!", flush=True)
         print("Getting accuracy....", flush=True)
         accuracy = get_accuracy(TellingLoader(self.test_loader, self.ps), m.cpu())
@@ -250,8 +262,9 @@ def main(args):
     batch_update_size = args.batch_update_size or trainers_count
     # The trainers' processes, one each; they compute, so they share the cores.
     threads = monarch_runs.threads_each(trainers_count)
-    trainer_procs = this_host().spawn_procs(per_host={"procs": trainers_count},
-                                            bootstrap=lambda: setup_process(threads))
+    # On this host, or on the hosts of --workers (monarch_runs.spawn_procs).
+    trainer_procs = monarch_runs.spawn_procs(args, trainers_count,
+                                             bootstrap=lambda: setup_process(threads))
     # this_proc(): the parameter server lives in this process, the controller's, whose main
     # thread only waits; then the trainers, each handed the server's reference.
     ps = this_proc().spawn("parameter_server", ParameterServer, batch_update_size,
@@ -303,6 +316,7 @@ def parse_args(argv=None):
     monarch_runs.add_arguments(parser)
     args = parser.parse_args(argv)
     monarch_runs.check_args(parser, args)
+    monarch_runs.check_workers(parser, args, args.world_size - 1, "trainers")
     if args.dataset == "mnist":
         check_mnist_folder(parser, args.data_dir)
     trainers = args.world_size - 1

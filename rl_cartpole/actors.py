@@ -11,6 +11,7 @@ asks the agent for every action and reports every reward, as in main.py.
     python actors.py --world_size 5                 # an agent and 4 observers
 """
 
+import asyncio
 import sys
 import time
 from itertools import count
@@ -20,6 +21,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.optim as optim
+from torch.distributions import Categorical
 
 try:
     from rpc_harness import monarch_runs
@@ -31,7 +33,14 @@ except ModuleNotFoundError:
 # Monarch's own names. monarch_runs.import_monarch() says in one line what is missing (status
 # 2) where torchmonarch is not installed.
 monarch = monarch_runs.import_monarch()
-from monarch.actor import Actor, current_rank, endpoint, this_host, this_proc  # noqa: E402
+import batch  # noqa: E402
+from monarch.actor import (  # noqa: E402
+    Actor,
+    concurrent_endpoint,
+    current_rank,
+    endpoint,
+    this_proc,
+)
 
 import main as tutorial  # noqa: E402
 from main import TOTAL_EPISODE_STEP, Policy  # noqa: E402
@@ -51,38 +60,41 @@ class Observer(Actor):
         self.call_timeout = args.call_timeout
         self.recorder = monarch_runs.Recorder(args, self.id, f"observer{self.id}")
 
-    def get(self, answer):
-        """The agent's answer; --call_timeout bounds the wait (monarch_runs.get)."""
-        return monarch_runs.get(answer, self.call_timeout, "the agent")
+    async def answer(self, call):
+        """The agent's answer; --call_timeout bounds the wait."""
+        return await monarch_runs.answer(call, self.call_timeout, "the agent")
 
     @endpoint
-    def run_episode(self, agent, n_steps):
+    async def run_episode(self, agent, n_steps):
         state, _ = self.env.reset(seed=self.seed)
         self.seed = None  # later resets go on from the seeded generator
-        for _ in range(n_steps):
+        for step in range(n_steps):
             # ask the agent for an action for this state
-            action = self.get(agent.select_action.call_one(self.id, state))
+            action = await agent.select_action.call_one(self.id, state)
 
             # take it in the environment, and get the reward
             state, reward, terminated, truncated, _ = self.env.step(action)
 
-            # give the agent the reward, to train on
-            self.get(agent.report_reward.call_one(self.id, reward))
-
-            if terminated or truncated:
+            # Give the agent the reward, to train on. No answer is needed: a one-way message
+            # (broadcast), where main.py waits for one. The episode's last is a call: the agent
+            # answers it after every reward before it (Monarch delivers one sender's messages
+            # to an actor in order), so all are in before the controller ends the episode.
+            if terminated or truncated or step == n_steps - 1:
+                await agent.report_reward.call_one(self.id, reward)
                 break
+            agent.report_reward.broadcast(self.id, reward)
 
     @endpoint
-    def peak_memory_mb(self):
+    async def peak_memory_mb(self):
         return monarch_runs.peak_memory_mb()
 
     # Not in main.py: --profile's window, which the controller opens and closes.
     @endpoint
-    def start_profile(self):
+    async def start_profile(self):
         self.recorder.start()
 
     @endpoint
-    def stop_profile(self):
+    async def stop_profile(self):
         self.recorder.stop()
 
 
@@ -106,30 +118,113 @@ class Agent(Actor):
             self.saved_log_probs[ob_id] = []
         self.recorder = monarch_runs.Recorder(args, 0, "agent")
 
-    # main.py's methods, unchanged, as endpoints: an actor handles one message at a time, as
-    # main.py's agent handles its RPCs (it takes no lock either).
-    select_action = endpoint(tutorial.Agent.select_action)
-    report_reward = endpoint(tutorial.Agent.report_reward)
+    # main.py's methods, unchanged, run by `async def` endpoints (Monarch runs an actor's
+    # endpoints on one event loop, all `async def` or all plain): an actor handles one message
+    # at a time, as main.py's agent handles its RPCs (it takes no lock either).
+    @endpoint
+    async def select_action(self, ob_id, state):
+        return tutorial.Agent.select_action(self, ob_id, state)
 
     @endpoint
-    def finish_episode(self):
+    async def report_reward(self, ob_id, reward):
+        tutorial.Agent.report_reward(self, ob_id, reward)
+
+    @endpoint
+    async def finish_episode(self):
         """main.py's finish_episode; the controller also gets the running reward."""
         last_reward = tutorial.Agent.finish_episode(self)
         return last_reward, self.running_reward, self.reward_threshold
 
     @endpoint
-    def figures(self):
+    async def figures(self):
         return {"env_steps": self.env_steps, "running_reward": self.running_reward,
                 "solved": self.running_reward > self.reward_threshold}
 
     # Not in main.py: --profile's window, which the controller opens and closes.
     @endpoint
-    def start_profile(self):
+    async def start_profile(self):
         self.recorder.start()
 
     @endpoint
-    def stop_profile(self):
+    async def stop_profile(self):
         self.recorder.stop()
+
+
+class BatchObserver(Observer):
+    """--batch: batch.py's BatchObserver, one call a step; it keeps its rewards and hands them
+    to the agent when its episode is over."""
+
+    @endpoint
+    async def run_episode(self, agent, n_steps):
+        state, _ = self.env.reset(seed=self.seed)
+        rewards = []
+        self.seed = None
+        for _ in range(n_steps):
+            action = await agent.select_action_batch.call_one(self.id, state)
+            state, reward, terminated, truncated, _ = self.env.step(action)
+            rewards.append(reward)
+            if terminated or truncated:
+                break
+        # batch.py's agent learns that an observer is done from the future of its RPC; here
+        # the observer tells it, with its rewards, and the agent stops waiting for its states.
+        await agent.observer_finished.call_one(self.id, rewards)
+
+
+class BatchAgent(Agent):
+    """--batch: batch.py's BatchAgent. select_action_batch waits until every observer still
+    playing has sent its state and answers them all with one forward pass: a concurrent
+    endpoint (each call a task of the actor's event loop) that awaits a future of the batch's
+    actions, as batch.py's @rpc.functions.async_execution function returns one. The update is
+    batch.py's finish_episode."""
+
+    def __init__(self, num_observers, args):
+        super().__init__(num_observers, args)
+        self.device = torch.device("cpu")  # batch.py's finish_episode moves the returns there
+        self.num_observers = num_observers
+        # The states waiting for the next forward pass, by observer id; the future that the
+        # next forward pass completes with every observer's action; how many observers are
+        # still playing; one entry per forward pass: its observer ids and log-probabilities.
+        self.states = {}
+        self.future_actions = asyncio.get_running_loop().create_future()
+        self.playing = num_observers
+        self.saved_log_probs = []
+
+    @concurrent_endpoint
+    async def select_action_batch(self, ob_id, state):
+        self.states[ob_id] = state
+        future_actions = self.future_actions
+        self._act_if_all_states_are_in()
+        return (await future_actions)[ob_id]
+
+    def _act_if_all_states_are_in(self):
+        """One forward pass for the states of all observers still playing, once each has sent
+        one (batch.py's, with an asyncio future)."""
+        if not self.states or len(self.states) < self.playing:
+            return
+        ob_ids = sorted(self.states)
+        states = torch.from_numpy(np.stack([self.states[ob_id] for ob_id in ob_ids])).float()
+        probs = self.policy(states)
+        m = Categorical(probs)
+        actions = m.sample()
+        self.saved_log_probs.append((ob_ids, m.log_prob(actions)))
+        future_actions = self.future_actions
+        self.future_actions = asyncio.get_running_loop().create_future()
+        self.states = {}
+        future_actions.set_result(dict(zip(ob_ids, actions.tolist(), strict=True)))
+
+    @concurrent_endpoint
+    async def observer_finished(self, ob_id, rewards):
+        """An observer's episode is over: stop waiting for its states, and take its rewards."""
+        self.playing -= 1
+        self._act_if_all_states_are_in()
+        self.rewards[ob_id] = rewards
+
+    @endpoint
+    async def finish_episode(self):
+        """batch.py's finish_episode; the controller also gets the running reward."""
+        last_reward = batch.BatchAgent.finish_episode(self)
+        self.playing = self.num_observers
+        return last_reward, self.running_reward, self.reward_threshold
 
 
 def profile(agent, observers, endpoint_name, timeout):
@@ -152,12 +247,18 @@ def setup_process():
 def main(args):
     num_observers = args.world_size - 1
     torch.set_num_threads(1)  # the agent, in this process, as setup_process() does for observers
-    observer_procs = this_host().spawn_procs(per_host={"procs": num_observers},
-                                             bootstrap=setup_process)
-    observers = observer_procs.spawn("observer", Observer, args)
+    # On this host, or on the hosts of --workers (monarch_runs.spawn_procs).
+    observer_procs = monarch_runs.spawn_procs(args, num_observers, bootstrap=setup_process)
+    # --batch: batch.py's observers and agent, main.py's otherwise.
+    observer_class, agent_class = (BatchObserver, BatchAgent) if args.batch else (Observer, Agent)
+    observers = observer_procs.spawn("observer", observer_class, args)
     # this_proc(): the agent lives in this process, the controller's, as rank 0 in main.py.
-    agent = this_proc().spawn("agent", Agent, num_observers, args)
+    agent = this_proc().spawn("agent", agent_class, num_observers, args)
     timeout = args.call_timeout
+    # The clock starts once every actor is up, as main.py's starts once its observers exist:
+    # the processes' start is not training.
+    monarch_runs.get(observers.initialized, args.init_timeout, "the observers' processes")
+    monarch_runs.get(agent.initialized, args.init_timeout, "the agent")
     started = time.perf_counter()
     for i_episode in count(1):
         # Not in main.py: --profile's window, episodes 3 to 2 + --profile_steps.
@@ -167,9 +268,7 @@ def main(args):
             profile(agent, observers, "stop_profile", timeout)
         # One call to the observers' mesh runs an episode on each; get() waits for all of them.
         episodes = observers.run_episode.call(agent, TOTAL_EPISODE_STEP)
-        # The first episode waits for the observers' processes to start, too.
-        first = args.init_timeout if i_episode == 1 else 0
-        monarch_runs.get(episodes, first + timeout, "the observers")
+        monarch_runs.get(episodes, timeout, "the observers")
         finished = agent.finish_episode.call_one()
         last_reward, running_reward, reward_threshold = monarch_runs.get(finished, timeout,
                                                                          "the agent")
@@ -194,7 +293,8 @@ def main(args):
     for point, megabytes in observer_memory.items():
         memory[f"observer{point.rank + 1}"] = megabytes
     steps_per_second = figures["env_steps"] / seconds
-    summary = {"example": "rl_cartpole", "mode": "monarch", "episodes": i_episode,
+    mode = "monarch batch" if args.batch else "monarch"
+    summary = {"example": "rl_cartpole", "mode": mode, "episodes": i_episode,
                "last_reward": last_reward, **figures, "training_seconds": round(seconds, 3),
                "observers": num_observers, "seed": args.seed, "gamma": args.gamma,
                "steps_per_second": round(steps_per_second, 1)}
@@ -222,11 +322,15 @@ def parse_args(argv=None):
                         help='Log every log_interval episodes')
     parser.add_argument('--gamma', default=0.99, type=monarch_runs.unit_interval, metavar='G',
                         help='how much to value future rewards')
+    parser.add_argument("--batch", action="store_true",
+                        help="batch.py's agent and observers: one forward pass for the states of "
+                             "every observer still playing, one call a step")
     parser.add_argument("--max_episodes", "--max-episodes", type=monarch_runs.int_at_least(1),
                         default=2000, metavar="N", help="stop, unsolved, after this many episodes")
     monarch_runs.add_arguments(parser)
     args = parser.parse_args(argv)
     monarch_runs.check_args(parser, args)
+    monarch_runs.check_workers(parser, args, args.world_size - 1, "observers")
     return args
 
 

@@ -6,6 +6,7 @@ Imported by the Monarch programs only (`from rpc_harness import monarch_runs`); 
 changes nothing in the process: each change comes with the call that makes it (the README's
 table lists them)."""
 
+import asyncio
 import contextlib
 import json
 import os
@@ -35,9 +36,9 @@ from .compat import profiler_options
 from .rank import whole_lines
 
 __all__ = ["ArgumentParser", "int_at_least", "positive_float", "unit_interval",
-           "import_monarch", "get", "add_arguments", "check_args", "threads_each",
-           "peak_memory_mb", "write_summary", "Recorder", "write_timeline",
-           "one_line_on_failure", "whole_lines"]
+           "import_monarch", "get", "answer", "add_arguments", "check_args", "spawn_procs",
+           "check_workers", "threads_each", "peak_memory_mb", "write_summary", "Recorder",
+           "write_timeline", "one_line_on_failure", "whole_lines"]
 
 # The summary's seconds count from here, as the program imports this module (after torch).
 STARTED = time.time()
@@ -46,13 +47,20 @@ STARTED = time.time()
 # default, 10 s, leaves a run that lost a process waiting that long; 500 ms ends it within 2 s.
 SUPERVISION_POLL = "500ms"
 
+# How long the processes on other hosts (--workers) outlive a controller that went away. At
+# Monarch's default, a SIGKILLed controller's processes trained on for more than 160 s; at 5 s
+# they were gone within 10.
+ORPHAN_TIMEOUT = "5s"
+
 
 def import_monarch():
     """Monarch's package, or, where it is not installed, one line saying how to install it
     (status 2, before anything starts). Sets how often Monarch's controller checks on the
-    processes it started (SUPERVISION_POLL) unless the environment says otherwise."""
+    processes it started (SUPERVISION_POLL), and how long processes on other hosts outlive it
+    (ORPHAN_TIMEOUT), unless the environment says otherwise."""
     # Set before Monarch loads its configuration.
     os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", SUPERVISION_POLL)
+    os.environ.setdefault("HYPERACTOR_MESH_ORPHAN_TIMEOUT", ORPHAN_TIMEOUT)
     try:
         import monarch.actor
     except ModuleNotFoundError as err:
@@ -88,6 +96,16 @@ def get(future, timeout, what):
                            "(--call_timeout)") from None
 
 
+async def answer(future, timeout, what):
+    """The answer of `future`, awaited in an actor's endpoint (`async def`), or TimeoutError
+    saying whose answer did not come: get()'s bound, for the actors' own waits."""
+    try:
+        return await asyncio.wait_for(future, timeout)
+    except asyncio.TimeoutError:  # TimeoutError from Python 3.11, its own class in 3.10
+        raise TimeoutError(f"no answer from {what} within {timeout:g} s "
+                           "(--call_timeout)") from None
+
+
 def add_arguments(parser):
     """The flags of every example that apply to a Monarch program (--seed, --summary_json),
     and the bound on every wait."""
@@ -101,6 +119,10 @@ def add_arguments(parser):
     parser.add_argument("--call_timeout", "--call-timeout", type=positive_float, default=60.0,
                         metavar="SECONDS",
                         help="longest wait for any one answer of an actor")
+    parser.add_argument("--workers", default=None, metavar="tcp://HOST:PORT[,...]",
+                        help="run the actors' processes on these Monarch workers (other hosts, "
+                             "each started with `python -m rpc_harness.monarch_worker "
+                             "tcp://HOST:PORT`), shared equally, instead of on this host")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="profile every process into DIR/<its name>.json, merged into "
                              "DIR/timeline.json (https://ui.perfetto.dev): --profile_steps "
@@ -118,6 +140,47 @@ def check_args(parser, args):
     if args.profile:
         check_folder(parser, "--profile", args.profile)
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
+def spawn_procs(args, count, bootstrap):
+    """`count` processes for the actors, each starting with `bootstrap`: on this host
+    (`this_host()`), or shared equally by the hosts of --workers, which the controller attaches
+    to (Monarch's `attach_to_workers`), within --init_timeout. Then this command talks to them
+    over TCP from its address on the way to the first worker."""
+    from monarch.actor import attach_to_workers, enable_transport, this_host
+
+    if not args.workers:
+        return this_host().spawn_procs(per_host={"procs": count}, bootstrap=bootstrap)
+    workers = args.workers.split(",")
+    # Monarch's "tcp" takes the address of this host's name, and panics where that is a
+    # loopback one (a container's): the address that reaches the first worker, given.
+    enable_transport(f"tcp://{_address_towards(workers[0])}:0")
+    hosts = attach_to_workers(workers=workers, ca="trust_all_connections")
+    get(hosts.initialized, args.init_timeout, f"the workers ({args.workers})")
+    return hosts.spawn_procs(per_host={"procs": count // len(workers)}, bootstrap=bootstrap)
+
+
+def _address_towards(worker):
+    """This host's address on the route to `worker` (tcp://HOST:PORT): what it sees us as."""
+    import socket
+
+    host, port = worker.removeprefix("tcp://").rsplit(":", 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, int(port)))  # UDP: picks the route, sends nothing
+        return probe.getsockname()[0]
+
+
+def check_workers(parser, args, count, what):
+    """--workers: each tcp://HOST:PORT, and `count` processes (of `what`) shared equally."""
+    if not args.workers:
+        return
+    workers = args.workers.split(",")
+    for worker in workers:
+        if not re.fullmatch(r"tcp://[^:/*]+:\d+", worker):
+            parser.error(f"--workers: {worker}: expected tcp://HOST:PORT")
+    if count % len(workers):
+        parser.error(f"--workers: {count} {what} cannot be shared equally by "
+                     f"{len(workers)} workers")
 
 
 def threads_each(computing):

@@ -10,9 +10,7 @@ import ipaddress
 import json
 import os
 import re
-import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -438,39 +436,6 @@ def _proc_state(pid):
     except OSError:
         return "Z"
     return stat[stat.rindex(")") + 2:].split()[0]
-
-
-def _ip(*args, check=True):
-    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
-
-
-@pytest.fixture
-def two_hosts():
-    """Two network namespaces joined by a veth pair, with private addresses: two 'machines'."""
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        pytest.skip("needs root and iproute2's ip to create network namespaces")
-    tag = f"{os.getpid() % 10000}"
-    hosts = [f"rpcA{tag}", f"rpcB{tag}"]
-    subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
-    addresses = [f"{subnet}.1", f"{subnet}.2"]
-    try:
-        for host in hosts:
-            _ip("netns", "add", host)
-        _ip("link", "add", f"ve{tag}a", "type", "veth", "peer", "name", f"ve{tag}b")
-        for host, end, address in zip(hosts, "ab", addresses, strict=True):
-            _ip("link", "set", f"ve{tag}{end}", "netns", host)
-            _ip("-n", host, "addr", "add", f"{address}/24", "dev", f"ve{tag}{end}")
-            _ip("-n", host, "link", "set", f"ve{tag}{end}", "up")
-            _ip("-n", host, "link", "set", "lo", "up")
-    except subprocess.CalledProcessError as err:
-        for host in hosts:
-            _ip("netns", "del", host, check=False)
-        pytest.skip(f"cannot create network namespaces here: {err.stderr.strip()}")
-    yield list(zip(hosts, addresses, strict=True))
-    for host in hosts:
-        for pid in _ip("netns", "pids", host, check=False).stdout.split():
-            os.kill(int(pid), signal.SIGKILL)
-        _ip("netns", "del", host, check=False)
 
 
 @pytest.mark.slow

@@ -5,13 +5,14 @@ the run in one line (or silently, for the controller), with no process left behi
 Monarch program under every fault: make faults."""
 
 import os
+import re
 import signal
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, WHY_NO_MONARCH, _processes, load_example
+from conftest import ROOT, WHY_NO_MONARCH, _ip, _processes, find_free_port, load_example
 
 pytest.importorskip("monarch.actor", reason=WHY_NO_MONARCH)
 
@@ -75,11 +76,12 @@ def test_ctrl_c_ends_every_process(runs):
 
 @pytest.mark.slow
 def test_an_endpoints_error_is_its_traceback_and_one_line(runs, tmp_path):
-    """The observer's own code raises (an error injected where it calls monarch_runs, as
+    """The observer's own code raises (an error injected in its environment's step, as
     bench/faults.py does): the actor's traceback, then one line naming the endpoint and the
     error, status 1."""
     injection = ROOT / "bench" / "fault_injection"
-    env = {"PYTHONPATH": str(injection), "FAULTS_RAISE": "actor get 40",
+    env = {"PYTHONPATH": str(injection),
+           "FAULTS_RAISE": "actor gymnasium.wrappers.common:TimeLimit.step 40",
            "FAULTS_RAISED": str(tmp_path / "raised")}
     run = runs.start("rl_cartpole", *LONG_RUN, script="actors.py", env=env, merged=True)
     run.wait(timeout=120)
@@ -131,3 +133,64 @@ def test_without_monarch_the_program_says_so_in_one_line(monkeypatch, capsys):
     assert err.count("\n") == 1 and "Monarch is missing: `pip install torchmonarch`" in err
     assert err.startswith(f"{Path(sys.argv[0]).name}: error: ")
 
+
+
+def _worker(runs, host, address):
+    """A Monarch worker (rpc_harness.monarch_worker) in network namespace `host`, serving."""
+    worker = runs.start_command(["ip", "netns", "exec", host, sys.executable, "-m",
+                                 "rpc_harness.monarch_worker", address], merged=True)
+    worker.wait_for_output(r"^monarch_worker: serving at ", timeout=60)
+    return worker
+
+
+def _in_namespace(host):
+    return [int(pid) for pid in _ip("netns", "pids", host, check=False).stdout.split()]
+
+
+@pytest.mark.slow
+def test_processes_on_another_host_and_nothing_left_when_the_controller_dies(two_hosts, runs):
+    """The controller on one host, its observer on a worker on another (network namespaces):
+    SIGKILL of the controller leaves no process of it on the worker's host within 15 s
+    (monarch_runs.ORPHAN_TIMEOUT), and the worker serves the next controller, whose trainers
+    train there."""
+    (host_a, _), (host_b, address_b) = two_hosts
+    address = f"tcp://{address_b}:{find_free_port()}"
+    worker = _worker(runs, host_b, address)
+    controller = runs.start_command(
+        ["ip", "netns", "exec", host_a, sys.executable, ROOT / "rl_cartpole" / "actors.py",
+         *LONG_RUN, "--workers", address], merged=True)
+    controller.wait_for_output(r"^Episode 3\t", timeout=120)
+    assert len(_in_namespace(host_b)) > 1  # the worker, and the observer's process
+    os.kill(controller.proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while _in_namespace(host_b) != [worker.proc.pid] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _in_namespace(host_b) == [worker.proc.pid]
+    second = runs.start_command(
+        ["ip", "netns", "exec", host_a, sys.executable, ROOT / "param_server" / "actors.py",
+         "--dataset", "synthetic", "--world_size", 3, "--max_batches", 6, "--workers",
+         address], merged=True)
+    second.wait(timeout=120)
+    assert second.returncode == 0, second.output
+    assert second.last_line.startswith("Summary: accuracy"), second.output
+    # The trainers print in the worker's terminal: they run on its host.
+    assert re.search(r"^trainer2 trains its copy of the model on cpu", worker.output, re.M)
+
+
+@pytest.mark.slow
+def test_a_dead_worker_ends_the_controller_in_one_line(two_hosts, runs):
+    """SIGKILL of the worker: its processes die with it, and the controller, which hears
+    nothing more, ends within --call_timeout in one line, status 1."""
+    (host_a, _), (host_b, address_b) = two_hosts
+    address = f"tcp://{address_b}:{find_free_port()}"
+    worker = _worker(runs, host_b, address)
+    controller = runs.start_command(
+        ["ip", "netns", "exec", host_a, sys.executable, ROOT / "rl_cartpole" / "actors.py",
+         *LONG_RUN, "--workers", address, "--call_timeout", 8], merged=True)
+    controller.wait_for_output(r"^Episode 3\t", timeout=120)
+    os.kill(worker.proc.pid, signal.SIGKILL)
+    controller.wait(timeout=30)
+    assert controller.returncode == 1, controller.output
+    assert controller.last_line == ("no answer from the observers within 8 s "
+                                    "(--call_timeout); stopped every process"), controller.output
+    assert _in_namespace(host_b) == []

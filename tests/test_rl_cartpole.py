@@ -414,3 +414,26 @@ def test_actors_learn_as_main_py_does(monarch_run):
     assert summary["env_steps"] == sum(rewards) and summary["steps_per_second"] > 0
     assert set(summary["peak_memory_mb"]) == {"agent (controller)", "observer1"}
 
+
+
+def test_actors_play_main_py_s_episodes(monarch_run, tutorial):
+    """One observer, one seed: the actors play the tutorial's episodes, for the first 10 (after
+    some tens, the weights' last bits drift apart and an action comes out differently)."""
+    run, _ = monarch_run
+    spawned, _ = tutorial
+    assert EPISODE_LINE.findall(run.stdout)[:10] == EPISODE_LINE.findall(spawned.stdout)[:10]
+
+
+@pytest.mark.slow
+def test_actors_batch_play_batch_py_s_episodes(batch, tmp_path):
+    """--batch: batch.py's agent and observers as actors; two observers, one seed, one forward
+    pass for both a step: batch.py's episodes, the first 10 compared (see above)."""
+    needs_monarch()
+    spawned, _ = batch
+    summary = tmp_path / "summary.json"
+    run = run_example("rl_cartpole", "--batch", "--world_size", 3, "--log_interval", 1,
+                      "--max_episodes", 10, "--summary_json", summary, timeout=150,
+                      log_dir=tmp_path, script="actors.py")
+    assert run.returncode == 0, run.output
+    assert json.loads(summary.read_text())["mode"] == "monarch batch"
+    assert EPISODE_LINE.findall(run.stdout) == EPISODE_LINE.findall(spawned.stdout)[:10]

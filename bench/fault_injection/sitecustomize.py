@@ -4,7 +4,8 @@ ranks, torchrun's agent, Monarch's processes. FAULTS_RAISE says where the error 
 
     rank <function> <rank> <call>   the rank's <call>-th call of rpc_harness.<function> raises
     actor <function> <call>         the first of Monarch's processes (not the controller) to
-                                    make its <call>-th call of monarch_runs.<function> raises
+                                    make its <call>-th call of monarch_runs.<function> raises;
+                                    <module>:<function> names another module's
 
 The error is the example's own, as far as the harness can tell: raised in the rank's code, where
 it calls the harness. FAULTS_RAISED is the file where the process that raises writes the time."""
@@ -47,18 +48,19 @@ def _in_rank(name, victim, calls):
     setattr(rpc_harness, name, injected)
 
 
-def _in_actor(path, calls):
+def _in_actor(where, calls):
     # Patched once the program imports monarch_runs, not sooner: importing it here would put
     # torch's import into the start of every Monarch process, which Monarch gives 30 s to be
     # ready; beside another cell on 2 cores, one run's processes took longer.
     os.environ.setdefault("FAULTS_CONTROLLER", str(os.getpid()))  # the first: the command
-    _after_import("rpc_harness.monarch_runs", lambda monarch_runs: _patch_actor(
-        monarch_runs, path, calls))
+    module_name, _, path = where.rpartition(":")
+    _after_import(module_name or "rpc_harness.monarch_runs", lambda module: _patch_actor(
+        module, path, calls))
 
 
-def _patch_actor(monarch_runs, path, calls):
+def _patch_actor(module, path, calls):
     owner_name, _, name = path.rpartition(".")
-    owner = getattr(monarch_runs, owner_name) if owner_name else monarch_runs
+    owner = getattr(module, owner_name) if owner_name else module
     original = getattr(owner, name)
     made = [0]
 
