@@ -84,10 +84,10 @@ run: $(VENV)/.run-installed
 	@$(PY) rpc_profiling/main.py
 
 # bench/RESULTS-<cores>-cores.md and its chart: RPC against one process, side by side, and
-# bench/MONARCH-<cores>-cores.md: the Monarch programs beside the RPC ones (about 10 minutes on
-# 2 cores before the Monarch programs came, which `bench.py --monarch` alone measures in 14;
-# QUICK=1: one shorter repetition). SOLVE=1: instead, rl_cartpole trained until solved, three
-# ways, into bench/SOLVE.md (17 minutes here; more when a run needs many episodes).
+# bench/MONARCH-<cores>-cores.md with bench/scaling-<cores>-cores.png: the Monarch programs and
+# Ray's parameter server beside the RPC ones (26 minutes on 2 cores; QUICK=1: one shorter
+# repetition). SOLVE=1: instead, rl_cartpole trained until solved, three ways, into
+# bench/SOLVE.md (17 minutes here; more when a run needs many episodes).
 # Ray (bench/requirements-ray.txt) is installed for `make bench` alone: its parameter server
 # is a row of the Monarch tables.
 $(VENV)/.bench-installed: bench/requirements-ray.txt $(VENV)/.dev-installed

@@ -641,7 +641,8 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
               "against a ping-pong of the same bytes over a TCP connection between the same two "
               "processes (the floor):", "",
               "| Payload | TCP ping-pong | `rpc_sync` | Ratio |", "|---|---|---|---|"]
-    for size, times in roundtrip.items():
+    for size in SIZES:
+        times = roundtrip[size]
         tcp, rpc = statistics.median(times["tcp"]), statistics.median(times["rpc"])
         lines.append(f"| {size} | {tcp * 1e3:.3f} ms | {rpc * 1e3:.3f} ms | {rpc / tcp:.1f} |")
     lines += ["", "Monarch beside RPC (the actor programs, their round trip, their memory): "

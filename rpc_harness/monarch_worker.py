@@ -19,24 +19,24 @@ path as the controller's, and the same packages: the processes import the progra
 from there.
 """
 
-import argparse
 import os
 import re
 import signal
 import sys
 
+from .cli import ArgumentParser
 from .monarch_runs import ORPHAN_TIMEOUT, SUPERVISION_POLL, monarch_missing
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m rpc_harness.monarch_worker",
         description="Serve this host to a Monarch controller on another host: run the "
                     "processes of actors.py --workers tcp://THIS_HOST:PORT here.")
     parser.add_argument("address", metavar="tcp://HOST:PORT",
                         help="where the controller reaches this worker: this host's address "
                              "as the controller sees it, and a free port")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # bad input: one line, status 2
     if not re.fullmatch(r"tcp://[^:/*]+:\d+", args.address):
         parser.error(f"{args.address}: expected tcp://HOST:PORT, HOST this host's address "
                      "(not *), as the controller reaches it")

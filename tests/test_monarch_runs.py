@@ -194,3 +194,27 @@ def test_a_dead_worker_ends_the_controller_in_one_line(two_hosts, runs):
     assert controller.last_line == ("no answer from the observers within 8 s "
                                     "(--call_timeout); stopped every process"), controller.output
     assert _in_namespace(host_b) == []
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--workers", "10.0.0.2:26600"], "--workers: 10.0.0.2:26600: expected tcp://HOST:PORT"),
+    (["--workers", "tcp://*:26600"], "expected tcp://HOST:PORT"),
+    (["--world_size", "4", "--workers", "tcp://a:1,tcp://b:2"],
+     "--workers: 3 observers cannot be shared equally by 2 workers"),
+])
+def test_bad_workers_are_one_line_and_status_2(capsys, argv, expected):
+    with pytest.raises(SystemExit) as exited:
+        load_example("rl_cartpole", "actors").parse_args(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and expected in err, err
+
+
+def test_a_worker_s_address_is_checked_in_one_line(capsys):
+    from rpc_harness import monarch_worker
+
+    with pytest.raises(SystemExit) as exited:
+        monarch_worker.parse_args(["tcp://*:26600"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and "expected tcp://HOST:PORT" in err, err

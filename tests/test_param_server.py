@@ -1,6 +1,7 @@
 import json
 import re
 import shutil
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -440,3 +441,21 @@ def test_ranks_as_separate_commands_on_mnist_files_trainer_first(tmp_path, runs)
     assert summary["dataset"] == "mnist" and summary["batches_per_trainer"] == {"trainer_1": 40}
     assert summary["accuracy"] >= 0.4, summary
     assert re.search(r"^Accuracy 0\.\d+$", trainer.stdout, re.M)
+
+
+@pytest.mark.slow
+def test_rays_parameter_server_learns(tmp_path):
+    """bench/ray_param_server.py, Ray Core's synchronous parameter server on this Net and data:
+    the model learns (a random one scores about 0.1), one version a round. Ray is installed for
+    `make bench` only (bench/requirements-ray.txt)."""
+    pytest.importorskip("ray", reason="Ray is installed by `make bench` only "
+                                      "(bench/requirements-ray.txt)")
+    summary = tmp_path / "summary.json"
+    done = subprocess.run([sys.executable, ROOT / "bench" / "ray_param_server.py", "--trainers",
+                           "2", "--max_batches", "30", "--summary_json", summary],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = json.loads(summary.read_text())
+    assert figures["model_versions"] == 30 and figures["trainers"] == 2
+    assert figures["accuracy"] > 0.3, figures
+    assert done.stdout.strip().splitlines()[-1].startswith("Summary: Ray, 2 trainer(s)")
