@@ -5,13 +5,14 @@ another host (`actors.py --workers tcp://THIS_HOST:PORT`).
 
 Monarch's own `run_worker_loop_forever`: the worker waits for a controller to attach, starts
 the processes it asks for, and when that controller is gone stops them and waits for the next.
-Set here, before Monarch loads its configuration, unless the environment says otherwise:
+Set here, before Monarch loads its configuration, unless the environment says otherwise
+(monarch_runs.import_monarch(), as in the controller):
 
 - HYPERACTOR_MESH_ORPHAN_TIMEOUT=5s: how long the processes of a controller that went away
-  outlive it (monarch_runs.ORPHAN_TIMEOUT, which the controller sets too). At Monarch's
+  outlive it (monarch_runs.ORPHAN_TIMEOUT). At Monarch's
   default, a SIGKILLed controller's processes trained on for more than 160 s; at 5 s they were
   gone within 10.
-- HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY=500ms, as in the controller (monarch_runs).
+- HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY=500ms (monarch_runs.SUPERVISION_POLL).
 
 Ctrl-C or SIGTERM ends the worker and every process it started (status 130 or 143, one line).
 The processes print in this worker's terminal. The worker needs this repository at the same
@@ -22,10 +23,9 @@ from there.
 import os
 import re
 import signal
-import sys
 
+from . import monarch_runs
 from .cli import ArgumentParser
-from .monarch_runs import ORPHAN_TIMEOUT, SUPERVISION_POLL, monarch_missing
 
 
 def parse_args(argv=None):
@@ -45,14 +45,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.environ.setdefault("HYPERACTOR_MESH_ORPHAN_TIMEOUT", ORPHAN_TIMEOUT)
-    os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", SUPERVISION_POLL)
-    try:
-        from monarch.actor import run_worker_loop_forever
-    except ModuleNotFoundError as err:
-        if err.name is None or not err.name.startswith("monarch"):
-            raise
-        sys.exit(f"monarch_worker: error: {monarch_missing()}")
+    # The orphan timeout and the supervision poll, unless set; one line if Monarch is missing.
+    monarch_runs.import_monarch()
+    from monarch.actor import run_worker_loop_forever
 
     def stop(number, frame):
         # The processes this worker started die with it (Monarch's PR_SET_PDEATHSIG).

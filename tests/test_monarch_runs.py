@@ -143,6 +143,12 @@ def _worker(runs, host, address):
     return worker
 
 
+def _controller(runs, host, script, *flags):
+    """A Monarch program of this repository, started in network namespace `host`."""
+    return runs.start_command(["ip", "netns", "exec", host, sys.executable, ROOT / script,
+                               *flags], merged=True)
+
+
 def _in_namespace(host):
     return [int(pid) for pid in _ip("netns", "pids", host, check=False).stdout.split()]
 
@@ -156,9 +162,8 @@ def test_processes_on_another_host_and_nothing_left_when_the_controller_dies(two
     (host_a, _), (host_b, address_b) = two_hosts
     address = f"tcp://{address_b}:{find_free_port()}"
     worker = _worker(runs, host_b, address)
-    controller = runs.start_command(
-        ["ip", "netns", "exec", host_a, sys.executable, ROOT / "rl_cartpole" / "actors.py",
-         *LONG_RUN, "--workers", address], merged=True)
+    controller = _controller(runs, host_a, "rl_cartpole/actors.py", *LONG_RUN, "--workers",
+                             address)
     controller.wait_for_output(r"^Episode 3\t", timeout=120)
     assert len(_in_namespace(host_b)) > 1  # the worker, and the observer's process
     os.kill(controller.proc.pid, signal.SIGKILL)
@@ -166,10 +171,8 @@ def test_processes_on_another_host_and_nothing_left_when_the_controller_dies(two
     while _in_namespace(host_b) != [worker.proc.pid] and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _in_namespace(host_b) == [worker.proc.pid]
-    second = runs.start_command(
-        ["ip", "netns", "exec", host_a, sys.executable, ROOT / "param_server" / "actors.py",
-         "--dataset", "synthetic", "--world_size", 3, "--max_batches", 6, "--workers",
-         address], merged=True)
+    second = _controller(runs, host_a, "param_server/actors.py", "--dataset", "synthetic",
+                         "--world_size", 3, "--max_batches", 6, "--workers", address)
     second.wait(timeout=120)
     assert second.returncode == 0, second.output
     assert second.last_line.startswith("Summary: accuracy"), second.output
@@ -184,9 +187,8 @@ def test_a_dead_worker_ends_the_controller_in_one_line(two_hosts, runs):
     (host_a, _), (host_b, address_b) = two_hosts
     address = f"tcp://{address_b}:{find_free_port()}"
     worker = _worker(runs, host_b, address)
-    controller = runs.start_command(
-        ["ip", "netns", "exec", host_a, sys.executable, ROOT / "rl_cartpole" / "actors.py",
-         *LONG_RUN, "--workers", address, "--call_timeout", 8], merged=True)
+    controller = _controller(runs, host_a, "rl_cartpole/actors.py", *LONG_RUN, "--workers",
+                             address, "--call_timeout", 8)
     controller.wait_for_output(r"^Episode 3\t", timeout=120)
     os.kill(worker.proc.pid, signal.SIGKILL)
     controller.wait(timeout=30)
