@@ -9,7 +9,10 @@ the Monarch programs' own, `monarch`) and a fault:
     kill-rank      SIGKILL of a rank's own process (an actor's process, for Monarch)
     kill-command   SIGKILL of the command a user started (one rank's command, per-rank)
     ctrl-c         SIGINT to every process of a terminal, as Ctrl-C sends it
+    ctrl-c-again   Ctrl-C pressed 2 or 3 times, 0.1 to 0.5 s apart (the counts and gaps change
+                   from cell to cell)
     sigterm        SIGTERM to the command (`kill PID`)
+    sigterm-again  SIGTERM sent to the command 2 or 3 times, 0.1 to 0.5 s apart
     stop           SIGSTOP of a rank's process, past --rpc_timeout (--call_timeout), then SIGCONT
     never-comes    one rank never started (per-rank)
     other-flags    one rank started with a flag that differs (per-rank)
@@ -107,8 +110,11 @@ PROGRAMS = [
             r"joined the other 1 rank|^-{20,}", raises=("report", 1, 1)),
 ]
 BY_PATH = {program.path: program for program in PROGRAMS}
-FAULTS = ["kill-rank", "kill-command", "ctrl-c", "sigterm", "stop", "never-comes",
-          "other-flags", "raise"]
+FAULTS = ["kill-rank", "kill-command", "ctrl-c", "ctrl-c-again", "sigterm", "sigterm-again",
+          "stop", "never-comes", "other-flags", "raise"]
+# A repeated signal's presses and the gap between them, which change from cell to cell.
+MODES = ["spawn-all", "per-rank", "torchrun", "monarch"]
+REPEATS = [(2, 0.1), (3, 0.3), (2, 0.5), (3, 0.1), (2, 0.3), (3, 0.5)]
 # Faults that need terminals of their own: one command starts every rank otherwise.
 PER_RANK_ONLY = {"never-comes", "other-flags"}
 # Faults whose cells spend most of their time waiting for a bound to pass.
@@ -466,6 +472,16 @@ def act(program, mode, fault, terminals):
         os.killpg(command_of(program, mode, terminals).proc.pid, signal.SIGINT)
     elif fault == "sigterm":
         os.kill(command_of(program, mode, terminals).proc.pid, signal.SIGTERM)
+    elif fault in ("ctrl-c-again", "sigterm-again"):
+        command = command_of(program, mode, terminals).proc.pid
+        presses, gap = REPEATS[(PROGRAMS.index(program) + MODES.index(mode)) % len(REPEATS)]
+        for _ in range(presses):
+            with _gone_already():
+                if fault == "ctrl-c-again":
+                    os.killpg(command, signal.SIGINT)
+                else:
+                    os.kill(command, signal.SIGTERM)
+            time.sleep(gap)
     elif fault == "stop":
         pid = rank_process(program, mode, terminals, program.victim)
         os.kill(pid, signal.SIGSTOP)
@@ -487,11 +503,13 @@ def _wait_until_gone(terminals, known, seconds):
 
 # --------- What should have happened --------------------
 
-# How the harness's lines end (rpc_harness's rank.py, launch.py, rendezvous.py, monarch_runs.py).
+# The harness's last lines (rpc_harness: the records of rank.py and rendezvous.py, which
+# command.py says; monarch_runs.py's): how they end.
 HARNESS_LINE = re.compile(
-    r"(; stopping|; stopped (the other ranks|every rank|every process)|: interrupted"
-    r"( \(SIGTERM\))?|^interrupted( \(SIGTERM\))?|was killed by \S+|; the other ranks stop too|"
-    r"with the same (flags|values)|give every rank its own --rank)$")
+    r"(: interrupted( \(SIGTERM\))?|; stopped (the other ranks|every rank|every process)"
+    r"|was killed by \S+|: lost contact with .*\)|failed \(.*\)|gave up on this rank, .*\)"
+    r"|with the same (flags|values|program)|give every rank its own --rank"
+    r"|exited with status \d+|(did not come|went away|cannot reach|lost a rank while) .*)$")
 
 
 def check(cell):

@@ -12,7 +12,6 @@ trainers and ps, which do the same in both revisions. README.md shows the two si
 
 import os
 import random
-import signal
 import sys
 import time
 
@@ -109,6 +108,7 @@ def _run_trainer(remote_emb_module, rank, args):
     report_trainer(epoch_losses, time.perf_counter() - started, model.fc.parameters())
 
 
+@rpc_harness.watched  # not in the tutorial: one line when this rank ends early
 def run_worker(rank, world_size, args):
     # Where the ranks meet: --master_addr and --master_port, as in main.py (this revision's
     # init_methods name tcp://localhost:29500 and tcp://localhost:29501).
@@ -168,9 +168,8 @@ def parse_args(argv=None):
 if __name__ == "__main__":
     args = parse_args()
     # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
-    # command stops the ranks it started and ends in one line, with the rank's status.
-    sys.excepthook = rpc_harness.excepthook
-    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    # command stops the ranks it started and says why in one line.
+    rpc_harness.supervise(args)
     # spawn, as mp.spawn starts its ranks: the rank that --rank names starts afresh too, not as
     # a fork of this process
     mp.set_start_method("spawn")

@@ -73,7 +73,8 @@ class ParameterServer(Actor):
         self.trainers_started = 0
         self.batches_tested = 0  # not in batch.py: the trainers' evaluation, as progress
         # Not in batch.py: --profile's window, model versions 3 to 2 + --profile_steps.
-        self.recorder = monarch_runs.Recorder(args, 0, "parameter_server")
+        self.recorder = monarch_runs.Recorder(args.profile, args.profile_steps, 0,
+                                              "parameter_server")
 
     @endpoint
     async def get_model(self):
@@ -115,7 +116,7 @@ class ParameterServer(Actor):
         self.future_model.set_result(new_model)
         self.future_model = asyncio.get_running_loop().create_future()
         self.versions += 1
-        self.recorder.step(self.versions)
+        self.recorder.step()
 
     @endpoint
     async def trainer_done(self):
@@ -178,11 +179,12 @@ class Trainer(Actor):
         print(f"{name} trains its copy of the model on {self.device}, in process "
               f"{os.getpid()}", flush=True)
         # Not in batch.py: --profile's window, batches 3 to 2 + --profile_steps.
-        recorder = monarch_runs.Recorder(self.args, self.rank, name)
+        recorder = monarch_runs.Recorder(self.args.profile, self.args.profile_steps,
+                                         self.rank, name)
         started = time.perf_counter()
         i = -1
         for i, (inputs, labels) in enumerate(self.get_next_batch()):
-            recorder.step(i)
+            recorder.step()
             log = i % self.args.log_interval == 0
             m.zero_grad()
             loss = F.nll_loss(m(inputs), labels)
@@ -261,7 +263,7 @@ def main(args):
     trainers_count = args.world_size - 1
     batch_update_size = args.batch_update_size or trainers_count
     # The trainers' processes, one each; they compute, so they share the cores.
-    threads = monarch_runs.threads_each(trainers_count)
+    threads = monarch_runs.share_of_the_cores(trainers_count)
     # On this host, or on the hosts of --workers (monarch_runs.spawn_procs).
     trainer_procs = monarch_runs.spawn_procs(args, trainers_count,
                                              bootstrap=lambda: setup_process(threads))
@@ -291,7 +293,8 @@ def main(args):
         args, reports, "monarch", ps_figures,
         f", {ps_figures['model_versions']} model versions of "
         f"{ps_figures['batch_update_size']} gradients")
-    monarch_runs.write_timeline(args, ["parameter_server", *reports])
+    if args.profile:
+        print(monarch_runs.write_timeline(args.profile, ["parameter_server", *reports]))
     # The trainers' processes stop, within --init_timeout; then the run's last line.
     monarch_runs.get(trainer_procs.stop(), args.init_timeout, "the trainers' processes")
     monarch_runs.write_summary(args, summary, line, memory)
@@ -315,8 +318,7 @@ def parse_args(argv=None):
                         help="gradients in each step (default: the number of trainers)")
     monarch_runs.add_arguments(parser)
     args = parser.parse_args(argv)
-    monarch_runs.check_args(parser, args)
-    monarch_runs.check_workers(parser, args, args.world_size - 1, "trainers")
+    monarch_runs.check_args(parser, args, args.world_size - 1, "trainers")
     if args.dataset == "mnist":
         check_mnist_folder(parser, args.data_dir)
     trainers = args.world_size - 1

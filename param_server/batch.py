@@ -15,7 +15,6 @@ import copy
 import hashlib
 import itertools
 import os
-import signal
 import sys
 import threading
 import time
@@ -186,6 +185,7 @@ def run_ps(trainers, args):
                        gradients=ps.gradients, short_updates=ps.short_updates)
 
 
+@rpc_harness.watched  # not in the tutorial: one line when this rank ends early
 def run(rank, world_size, args):
     global trainer_data
     # The tutorial's rpc_timeout=0 (none): rpc_harness.options(args) bounds it by --rpc_timeout
@@ -262,10 +262,9 @@ if __name__ == "__main__":
     args = parse_args()
     os.environ["MASTER_ADDR"] = args.master_addr
     os.environ["MASTER_PORT"] = str(args.master_port)
-    # Not in the tutorial: a failed or killed rank, Ctrl-C or SIGTERM end this command in one
-    # line, with the rank's status (as in main.py).
-    sys.excepthook = rpc_harness.excepthook
-    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
+    # command stops the ranks it started and says why in one line.
+    rpc_harness.supervise(args)
     mp.set_start_method("spawn")
 
     processes = []

@@ -60,7 +60,10 @@ def mnist(data_dir, train, download=False):
 
 def check_mnist(data_dir):
     """Make sure MNIST is in data_dir, downloading it if it is not; None if it is there, else a
-    one-line explanation. Runs once, before any rank starts."""
+    one-line explanation: what is missing, or which file torchvision could not read. Runs once,
+    before any rank starts."""
+    raw = Path(data_dir) / "MNIST" / "raw"
+    missing = [name for name in MNIST_FILES if not (raw / name).exists()]
     try:
         # torchvision prints each mirror it tries; keep that out of the output, and bound each
         # attempt, so that an offline machine gets one line, quickly.
@@ -72,10 +75,13 @@ def check_mnist(data_dir):
                 mnist(data_dir, train=False, download=True)
             finally:
                 socket.setdefaulttimeout(previous_timeout)
-    except Exception:  # noqa: BLE001 - any failure here means "not there and not downloadable"
-        return (f"MNIST is not in {Path(data_dir) / 'MNIST' / 'raw'} (expected "
-                f"{', '.join(MNIST_FILES)}) and could not be downloaded; "
-                f"copy the files there, or run with --dataset synthetic")
+    except Exception as err:  # noqa: BLE001 - any failure here is the data's, said in one line
+        if missing:
+            return (f"MNIST is not in {raw} (expected {', '.join(missing)}) and could not be "
+                    "downloaded; copy the files there, or run with --dataset synthetic")
+        message = str(err).splitlines()[0] if str(err) else ""
+        return (f"MNIST in {raw} is damaged: torchvision cannot read it ({type(err).__name__}: "
+                f"{message}); copy its four files there again, or run with --dataset synthetic")
     return None
 
 

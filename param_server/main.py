@@ -11,7 +11,6 @@ rank in one line when one fails; each of its names is explained where main.py fi
 """
 
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -256,6 +255,7 @@ def run_worker(rank, world_size, num_gpus, train_loader, test_loader, args):
 
 # This rank's part of the tutorial's __main__, in the process that mp.spawn (every rank here,
 # as the other RPC tutorials start theirs) or mp.Process (the rank that --rank names) starts.
+@rpc_harness.watched  # not in the tutorial: one line when this rank ends early
 def run(rank, world_size, args):
     if rank == 0:
         run_parameter_server(0, world_size, args)
@@ -444,9 +444,8 @@ if __name__ == '__main__':
     os.environ['MASTER_ADDR'] = args.master_addr
     os.environ["MASTER_PORT"] = str(args.master_port)
     # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
-    # command stops the ranks it started and ends in one line, with the rank's status.
-    sys.excepthook = rpc_harness.excepthook
-    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    # command stops the ranks it started and says why in one line.
+    rpc_harness.supervise(args)
     # spawn, not Linux's default fork, which can deadlock the DataLoader
     mp.set_start_method("spawn")
 

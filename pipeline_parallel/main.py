@@ -12,7 +12,6 @@ of its names is explained where main.py first uses it.
 """
 
 import os
-import signal
 import sys
 import threading
 import time
@@ -217,6 +216,7 @@ def run_master(num_split, args):
 
 # Step 4: Launch RPC Processes
 
+@rpc_harness.watched  # not in the tutorial: one line when this rank ends early
 def run_worker(rank, world_size, args):
     os.environ['MASTER_ADDR'] = args.master_addr
     os.environ['MASTER_PORT'] = str(args.master_port)
@@ -362,9 +362,8 @@ def parse_args(argv=None):
 if __name__ == "__main__":
     args = parse_args()
     # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
-    # command stops the ranks it started and ends in one line, with the rank's status.
-    sys.excepthook = rpc_harness.excepthook
-    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    # command stops the ranks it started and says why in one line.
+    rpc_harness.supervise(args)
     # spawn, mp.spawn's own way: the rank that --rank names starts in a fresh interpreter too
     mp.set_start_method("spawn")
 

@@ -15,7 +15,6 @@ import copy
 import datetime
 import inspect
 import os
-import signal
 import sys
 import time
 
@@ -149,6 +148,7 @@ def train(schedule_name, num_microbatches, args):
 
 # Step 3: Launch the distributed processes
 
+@rpc_harness.watched  # not in the tutorial: one line when this rank ends early
 def run_worker(rank, world_size, args):
     init_distributed(rank, world_size, args)
     print(f"stage {stage_index} of {num_stages} on {device}")
@@ -322,9 +322,8 @@ def check_schedules(parser, args):
 if __name__ == "__main__":
     args = parse_args()
     # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
-    # command stops the ranks it started and ends in one line, with the rank's status.
-    sys.excepthook = rpc_harness.excepthook
-    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    # command stops the ranks it started and says why in one line.
+    rpc_harness.supervise(args)
     # spawn, mp.spawn's own way: the rank that --rank names starts in a fresh interpreter too
     mp.set_start_method("spawn")
 

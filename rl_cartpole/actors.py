@@ -58,7 +58,8 @@ class Observer(Actor):
         # Gymnasium seeds through the first reset; seed + id, so that observers differ.
         self.seed = args.seed + self.id
         self.call_timeout = args.call_timeout
-        self.recorder = monarch_runs.Recorder(args, self.id, f"observer{self.id}")
+        self.recorder = monarch_runs.Recorder(args.profile, args.profile_steps, self.id,
+                                              f"observer{self.id}")
 
     async def answer(self, call):
         """The agent's answer; --call_timeout bounds the wait."""
@@ -116,7 +117,7 @@ class Agent(Actor):
         for ob_id in range(1, num_observers + 1):
             self.rewards[ob_id] = []
             self.saved_log_probs[ob_id] = []
-        self.recorder = monarch_runs.Recorder(args, 0, "agent")
+        self.recorder = monarch_runs.Recorder(args.profile, args.profile_steps, 0, "agent")
 
     # main.py's methods, unchanged, run by `async def` endpoints (Monarch runs an actor's
     # endpoints on one event loop, all `async def` or all plain): an actor handles one message
@@ -285,8 +286,9 @@ def main(args):
             break
     seconds = time.perf_counter() - started
     profile(agent, observers, "stop_profile", timeout)  # a run shorter than the window
-    monarch_runs.write_timeline(args, ["agent"] + [f"observer{i}" for i in
-                                                   range(1, num_observers + 1)])
+    if args.profile:
+        names = ["agent"] + [f"observer{i}" for i in range(1, num_observers + 1)]
+        print(monarch_runs.write_timeline(args.profile, names))
     figures = monarch_runs.get(agent.figures.call_one(), timeout, "the agent")
     memory = {"agent (controller)": monarch_runs.peak_memory_mb()}
     observer_memory = monarch_runs.get(observers.peak_memory_mb.call(), timeout, "the observers")
@@ -329,8 +331,7 @@ def parse_args(argv=None):
                         default=2000, metavar="N", help="stop, unsolved, after this many episodes")
     monarch_runs.add_arguments(parser)
     args = parser.parse_args(argv)
-    monarch_runs.check_args(parser, args)
-    monarch_runs.check_workers(parser, args, args.world_size - 1, "observers")
+    monarch_runs.check_args(parser, args, args.world_size - 1, "observers")
     return args
 
 

@@ -14,7 +14,6 @@ training is the tutorial's, so that the two can be compared. README.md says more
 
 import functools
 import os
-import signal
 import sys
 import threading
 
@@ -179,9 +178,8 @@ if __name__ == "__main__":
     os.environ['MASTER_ADDR'] = args.master_addr
     os.environ['MASTER_PORT'] = str(args.master_port)
     # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
-    # command stops the ranks it started and ends in one line, with the rank's status.
-    sys.excepthook = rpc_harness.excepthook
-    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    # command stops the ranks it started and says why in one line.
+    rpc_harness.supervise(args)
     # spawn, as mp.spawn starts its ranks: the rank that --rank names starts in a fresh
     # interpreter too, not in a fork of this one (Linux's default).
     mp.set_start_method("spawn")

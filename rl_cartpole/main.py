@@ -12,7 +12,6 @@ in one line when one fails; each of its names is explained where main.py first u
 """
 
 import os
-import signal
 import sys
 import time
 from itertools import count
@@ -171,6 +170,7 @@ TOTAL_EPISODE_STEP = gym.spec('CartPole-v1').max_episode_steps
 
 # The tutorial's run_worker(rank, world_size), with the command line (args) and, for batch.py,
 # the agent's class.
+@rpc_harness.watched  # not in the tutorial: one line when this rank ends early
 def run_worker(rank, world_size, args, agent_class=Agent):
     # The tutorial's 'localhost' and '29500', from --master_addr and --master_port.
     os.environ['MASTER_ADDR'] = args.master_addr
@@ -351,9 +351,8 @@ def trains(rank, world_size):
 if __name__ == "__main__":
     args = parse_args()
     # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
-    # command stops the ranks it started and ends in one line, with the rank's status.
-    sys.excepthook = rpc_harness.excepthook
-    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    # command stops the ranks it started and says why in one line.
+    rpc_harness.supervise(args)
     # spawn, as mp.spawn starts its ranks: the rank that --rank names starts in a fresh
     # interpreter too, not in a fork of this one (Linux's default).
     mp.set_start_method("spawn")

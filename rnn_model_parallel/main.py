@@ -10,7 +10,6 @@ names is explained where main.py first uses it.
 
 import math
 import os
-import signal
 import sys
 import time
 
@@ -96,6 +95,7 @@ def _run_trainer(name, args):
                        train_seconds=round(time.perf_counter() - started, 3))
 
 
+@rpc_harness.watched  # not in the tutorial: one line when this rank ends early
 def run_worker(rank, world_size, args):
     os.environ['MASTER_ADDR'] = args.master_addr
     os.environ['MASTER_PORT'] = str(args.master_port)
@@ -244,9 +244,8 @@ def parse_args(argv=None):
 if __name__ == "__main__":
     args = parse_args()
     # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
-    # command stops the ranks it started and ends in one line, with the rank's status.
-    sys.excepthook = rpc_harness.excepthook
-    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    # command stops the ranks it started and says why in one line.
+    rpc_harness.supervise(args)
     # spawn, mp.spawn's start method: the rank that --rank names runs as it would under
     # mp.spawn, in a fresh interpreter, not in a fork of this one (unsafe once torch has
     # started threads)

@@ -1,34 +1,47 @@
-"""The command line of every example: argparse's parser with one-line errors, argument types
+"""The command line of every program: argparse's parser with one-line errors, argument types
 that refuse bad values, the flags this project adds, and the checks that argparse cannot make.
-Bad input ends the command here in one line, with status 2, before any rank starts or any
-port opens."""
+Bad input ends the command here in one line, with status 2, before any rank starts or any port
+opens. check_args() records in args.harness (a Plan) what the harness needs in every rank."""
 
 import argparse
-import logging
 import os
-import secrets
-import signal
 import socket
 import sys
-import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
-# The summary's seconds count from here, as main.py imports rpc_harness (after torch).
+# The summary's seconds count from here, as a program imports rpc_harness (after torch).
 STARTED = time.time()
-
-# Flags that describe a rank's own machine, which may differ between ranks; the join compares
-# every other flag.
-PER_RANK = {"rank", "master_addr", "master_port", "init_timeout", "rpc_timeout",
-            "rpc_transport", "summary_json", "profile"}
 
 # The cores this process may run on, which the ranks on this machine share.
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
-# What the command that starts the ranks knows of them (check_args sets it), for the lines of
-# launch.py.
-launched = None
+# Flags that describe a rank's own machine, which may differ between ranks; the join compares
+# every other flag.
+PER_RANK = {"rank", "master_addr", "master_port", "init_timeout", "rpc_timeout",
+            "rpc_transport", "summary_json", "profile", "torchrun", "harness"}
+
+
+@dataclass
+class Plan:
+    """What every rank needs to know of the run, from the command line (args.harness)."""
+
+    names: list  # each rank's name, by rank
+    program: str  # the folder and script that runs ("param_server/main.py")
+    flags: dict  # the flags that every rank must share, which the join compares
+    threads: dict  # rank -> its intra-op threads, for the ranks on this machine
+    computes: list  # the ranks that do the heavy computing
+    loops: list | None  # the ranks that call profile_step() (None: the program profiles itself)
+    summary: object  # summary(args, figures by rank name) -> (figures, line), on rank 0
+    rank: int | None  # the rank this command starts (--rank, torchrun's); None: every rank
+    records: str | None = None  # the command's folder for the ranks' records (supervise())
+    started: float = field(default=STARTED)
+
+    @property
+    def spawn_all(self):
+        """Whether this command starts every rank (mp.spawn)."""
+        return self.rank is None
 
 
 class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -81,12 +94,31 @@ port_number = checked("port", int, lambda value: 1 <= value <= 65535,
                       "a port number from 1 to 65535")
 
 
-def add_arguments(parser, rpc_transport="tcp", profiled=True):
-    """Add the flags that this project adds to every example: the bounds of every wait, the
-    transport between ranks of one machine (None: the example has no RPC), --seed,
-    --summary_json and, unless the example profiles itself (profiled=False), --profile."""
+# --------- The flags this project adds --------------------
+
+def add_shared_arguments(parser, init_timeout_help, profiled=True):
+    """The flags of every program, RPC's and Monarch's: --init_timeout, --seed, --summary_json
+    and, unless the program profiles itself, --profile and --profile_steps."""
     parser.add_argument("--init_timeout", "--init-timeout", type=positive_float, default=60.0,
-                        metavar="SECONDS", help="seconds to wait for every rank to join")
+                        metavar="SECONDS", help=init_timeout_help)
+    parser.add_argument("--seed", type=int_at_least(0), default=1, metavar="N",
+                        help="random seed")
+    parser.add_argument("--summary_json", "--summary-json", default=None, metavar="PATH",
+                        help="write the run's figures to this JSON file at the end")
+    if profiled:
+        parser.add_argument("--profile", default=None, metavar="DIR",
+                            help="profile every process into DIR/<its name>.json, merged into "
+                                 "DIR/timeline.json (https://ui.perfetto.dev): --profile_steps "
+                                 "steps of each process that loops, after two warm-up steps")
+        parser.add_argument("--profile_steps", "--profile-steps", type=int_at_least(1),
+                            default=3, metavar="N", help="how many steps --profile records")
+
+
+def add_arguments(parser, rpc_transport="tcp", profiled=True):
+    """Add the flags that this project adds to every RPC program: the bounds of every wait, the
+    transport between ranks of one machine (None: the program has no RPC), and the shared ones
+    (profiled=False: the program profiles itself)."""
+    add_shared_arguments(parser, "seconds to wait for every rank to join", profiled)
     parser.add_argument("--rpc_timeout", "--rpc-timeout", type=positive_float, default=60.0,
                         metavar="SECONDS",
                         help="seconds before an RPC without an answer fails, or a silent rank "
@@ -97,46 +129,24 @@ def add_arguments(parser, rpc_transport="tcp", profiled=True):
                             help="between ranks of one machine: auto lets TensorPipe use shared "
                                  "memory, quickest but polled without pause; tcp, loopback "
                                  "sockets")
-    parser.add_argument("--seed", type=int_at_least(0), default=1, metavar="N",
-                        help="random seed")
-    parser.add_argument("--summary_json", "--summary-json", default=None, metavar="PATH",
-                        help="write the run's figures to this JSON file at the end")
-    if profiled:
-        parser.add_argument("--profile", default=None, metavar="DIR",
-                            help="profile every rank into DIR/<its name>.json, merged into "
-                                 "DIR/timeline.json (https://ui.perfetto.dev): --profile_steps "
-                                 "steps of the ranks that loop")
-        parser.add_argument("--profile_steps", "--profile-steps", type=int_at_least(1),
-                            default=3, metavar="N",
-                            help="how many steps of each looping rank --profile records")
 
+
+# --------- What argparse cannot check --------------------
 
 def check_args(parser, args, worker_name, computes=None, loops=None, summary=None,
                per_rank=()):
     """Check what argparse cannot, before any rank starts: bad input ends the command in one
     line, status 2. Under torchrun (RANK and WORLD_SIZE set, no --rank), take its rank and world
-    size. Then record in args.harness what the harness needs in every rank:
+    size. Then record in args.harness (a Plan) what the harness needs in every rank:
 
     worker_name(rank, world_size): each rank's name; computes(rank, world_size): whether the
     rank does the heavy computing, and so shares this machine's cores with the others that do
     (the others get one thread); loops(rank, world_size): whether the rank calls profile_step()
-    (None: the example profiles itself); summary(args, reports) -> (figures, line): the run's
-    summary, which rank 0 writes at the end; per_rank: the example's flags that may differ
-    between ranks (paths of a rank's own machine).
-
-    It changes these things in this process, for the ranks that it starts (README.md: "What the
-    harness changes"): torch.multiprocessing's log level, to ERROR, so that mp.spawn does not
-    log "Terminating process N via signal SIGTERM" for each rank it stops after one failed
-    (launch.excepthook says which rank failed, in one line); and, unless set already,
-    TORCH_CPP_LOG_LEVEL=FATAL in the environment that the ranks inherit (read as their torch
-    loads): expected ends (a rank that never came, a lost peer) make
-    torch's C++ code log errors with their C++ stack traces, which the ranks' one line replaces.
-    TORCH_CPP_LOG_LEVEL=INFO shows them. With --profile, KINETO_LOG_LEVEL=6 too (unless set):
-    the profiler's library logs each start and stop, and an error on a machine without a GPU.
-    Under torchrun, the command gets SIGTERM if torchrun's agent dies."""
-    global launched
+    (None: the program profiles itself); summary(args, reports) -> (figures, line): the run's
+    summary, which rank 0 writes at the end; per_rank: the program's flags that may differ
+    between ranks (paths of a rank's own machine)."""
     args.torchrun = args.rank is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    threads_asked = omp_num_threads(parser)
+    omp_num_threads(parser)
     if args.torchrun:
         args.rank = int(os.environ["RANK"])
         args.world_size = _torchrun_world_size(parser, os.environ["WORLD_SIZE"])
@@ -144,43 +154,22 @@ def check_args(parser, args, worker_name, computes=None, loops=None, summary=Non
         parser.error(f"--rank {args.rank} is outside a world of {args.world_size} "
                      f"(ranks 0 to {args.world_size - 1})")
     _check_address(parser, args)
-    profile = getattr(args, "profile", None)
-    if profile and loops is not None:
-        check_folder(parser, "--profile", profile)
+    if getattr(args, "profile", None) and loops is not None:
+        check_folder(parser, "--profile", args.profile)
     world = range(args.world_size)
-    computing = []
-    if computes is not None:
-        computing = [rank for rank in world if computes(rank, args.world_size)]
-    compared = sorted(set(vars(args)) - PER_RANK - set(per_rank) - {"torchrun"})
-    flags = {"script": os.path.basename(sys.argv[0])}
-    for key in compared:
-        flags[key] = getattr(args, key)
-    spawn_all = args.rank is None
-    args.harness = SimpleNamespace(
+    computing = [rank for rank in world if computes and computes(rank, args.world_size)]
+    shared = sorted(set(vars(args)) - PER_RANK - set(per_rank))
+    script = Path(sys.argv[0]).resolve()
+    args.harness = Plan(
         names=[worker_name(rank, args.world_size) for rank in world],
-        threads=_thread_counts(args, computing, threads_asked),
+        program=f"{script.parent.name}/{script.name}",
+        flags={key: getattr(args, key) for key in shared},
+        threads=threads_per_rank(args, computing),
         computes=computing,
         loops=None if loops is None else [rank for rank in world if loops(rank, args.world_size)],
-        flags=flags,
         summary=summary,
-        started=STARTED,
-        spawn_all=spawn_all,
         rank=args.rank,
-        # Under mp.spawn, where the command says the run's last line, a rank that ends for a
-        # reason the command cannot see (a peer gone silent) leaves it in this file.
-        reasons=(str(Path(tempfile.gettempdir()) / f"rpc_harness-{os.getpid()}-"
-                                                     f"{secrets.token_hex(4)}.reasons")
-                 if spawn_all else None),
     )
-    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-    if args.torchrun:
-        # torchrun's agent gives the commands it starts no death signal: killed, it left them
-        # training, orphaned. SIGTERM then, as when the agent stops them (launch.on_sigterm).
-        signal_when_the_parent_dies(signal.SIGTERM)
-    if profile:
-        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    launched = args.harness
     return args
 
 
@@ -212,6 +201,18 @@ def _check_address(parser, args):
                      "--master_port; if this run's rank 0 does, this rank is taken")
 
 
+def check_folder(parser, flag, folder):
+    """A folder to write in, made if missing; otherwise one line naming the flag, status 2."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        parser.error(f"{flag} {folder}: cannot make that folder ({err.strerror or err})")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        parser.error(f"{flag} {folder}: cannot write in that folder")
+
+
+# --------- Threads --------------------
+
 def omp_num_threads(parser):
     """OMP_NUM_THREADS's threads, or None where it is unset. OpenMP reads a list, one number a
     level of nesting ("4,2"): torch's pool is the first level. Anything else is bad input."""
@@ -225,46 +226,37 @@ def omp_num_threads(parser):
     return int(first)
 
 
-def signal_when_the_parent_dies(number):
-    """Ask Linux for signal `number` when this process's parent dies (PR_SET_PDEATHSIG, as
-    torch's mp.spawn asks for its ranks); if the parent is gone already, send it now."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    parent = os.getppid()
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None).prctl(pr_set_pdeathsig, number)
-    if os.getppid() != parent:  # it died before the request
-        os.kill(os.getpid(), number)
+def share_of_the_cores(sharing):
+    """The intra-op threads of a process that shares this machine's cores with `sharing - 1`
+    others: OMP_NUM_THREADS's first number if set (omp_num_threads() checked it), else its
+    share of the cores, at least one."""
+    asked = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if asked:
+        return int(asked)
+    return max(1, CORES // max(1, sharing))
 
 
-def signal_name(number):
-    """A signal's name ("SIGKILL"), or its number where Python has none (a real-time signal)."""
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def _thread_counts(args, computing, threads_asked=None):
-    """{rank: intra-op threads} for the ranks that this command starts: OMP_NUM_THREADS's
-    (threads_asked) if set; else the ranks that compute share the cores and the others get one
-    thread each. A rank on this machine alone (--rank with another machine's address) counts as
-    the only one here; torchrun says how many of its ranks run here (LOCAL_WORLD_SIZE)."""
+def threads_per_rank(args, computing):
+    """{rank: intra-op threads} for the ranks on this machine: the ranks that compute share the
+    cores, and the others get one thread each, unless OMP_NUM_THREADS says. A rank on this
+    machine alone (--rank with another machine's address) counts as the only one here;
+    torchrun says how many of its ranks run here (LOCAL_WORLD_SIZE)."""
     if args.rank is None or args.master_addr in ("localhost", "127.0.0.1", "::1"):
         local = list(range(args.world_size))
     else:
         first = args.rank - int(os.environ.get("LOCAL_RANK", 0))
         local = list(range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    if threads_asked:
-        return dict.fromkeys(local, threads_asked)
     heavy = [rank for rank in local if rank in computing]
     counts = {}
     for rank in local:
-        counts[rank] = max(1, CORES // len(heavy)) if rank in heavy else 1
+        if rank in heavy or os.environ.get("OMP_NUM_THREADS"):
+            counts[rank] = share_of_the_cores(len(heavy))
+        else:
+            counts[rank] = 1
     return counts
 
+
+# --------- Addresses --------------------
 
 def listen(addr, port):
     """A socket listening on addr:port, with the address family that addr resolves to."""
@@ -272,11 +264,10 @@ def listen(addr, port):
     return socket.create_server((addr, port), family=family)
 
 
-def check_folder(parser, flag, folder):
-    """A folder to write in, made if missing; otherwise one line naming the flag, status 2."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as err:
-        parser.error(f"{flag} {folder}: cannot make that folder ({err.strerror or err})")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        parser.error(f"{flag} {folder}: cannot write in that folder")
+def address_towards(host, port=1):
+    """This machine's address on the route to host: what host sees it as. A UDP socket's
+    connect() chooses the route and sends nothing."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(sockaddr)
+        return probe.getsockname()[0]

@@ -5,26 +5,15 @@ another host (`actors.py --workers tcp://THIS_HOST:PORT`).
 
 Monarch's own `run_worker_loop_forever`: the worker waits for a controller to attach, starts
 the processes it asks for, and when that controller is gone stops them and waits for the next.
-Set here, before Monarch loads its configuration, unless the environment says otherwise
-(monarch_runs.import_monarch(), as in the controller):
-
-- HYPERACTOR_MESH_ORPHAN_TIMEOUT=5s: how long the processes of a controller that went away
-  outlive it (monarch_runs.ORPHAN_TIMEOUT). At Monarch's
-  default, a SIGKILLed controller's processes trained on for more than 160 s; at 5 s they were
-  gone within 10.
-- HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY=500ms (monarch_runs.SUPERVISION_POLL).
+monarch_runs.import_monarch() sets, as in the controller, how long the processes of a
+controller that went away outlive it (5 s) and how often their health is checked.
 
 Ctrl-C or SIGTERM ends the worker and every process it started (status 130 or 143, one line).
 The processes print in this worker's terminal. The worker needs this repository at the same
 path as the controller's, and the same packages: the processes import the program's modules
-from there.
-"""
+from there."""
 
-import os
-import re
-import signal
-
-from . import monarch_runs
+from . import ending, monarch_runs
 from .cli import ArgumentParser
 
 
@@ -37,7 +26,7 @@ def parse_args(argv=None):
                         help="where the controller reaches this worker: this host's address "
                              "as the controller sees it, and a free port")
     args = parser.parse_args(argv)  # bad input: one line, status 2
-    if not re.fullmatch(r"tcp://[^:/*]+:\d+", args.address):
+    if not monarch_runs.WORKER.fullmatch(args.address):
         parser.error(f"{args.address}: expected tcp://HOST:PORT, HOST this host's address "
                      "(not *), as the controller reaches it")
     return args
@@ -45,18 +34,15 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    # The orphan timeout and the supervision poll, unless set; one line if Monarch is missing.
-    monarch_runs.import_monarch()
+    monarch_runs.import_monarch()  # one line if Monarch is missing
     from monarch.actor import run_worker_loop_forever
 
-    def stop(number, frame):
-        # The processes this worker started die with it (Monarch's PR_SET_PDEATHSIG).
-        name = signal.Signals(number).name
-        os.write(2, f"monarch_worker: interrupted ({name}); stopped every process\n".encode())
-        os._exit(128 + number)
+    def on_signal(number):
+        name = ending.signal_name(number)
+        monarch_runs.end(f"monarch_worker: interrupted ({name}); stopped every process",
+                         128 + number)
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    ending.on_signals(on_signal)
     print(f"monarch_worker: serving at {args.address}; Ctrl-C ends it", flush=True)
     run_worker_loop_forever(address=args.address, ca="trust_all_connections")
 

@@ -1,8 +1,12 @@
-"""--profile DIR: each rank profiles itself. The ranks that loop (they call profile_step() once a
-step) record --profile_steps steps after WARMUP_STEPS (torch's ProfilerStep#N spans); the others
-record from the join until every loop's window has closed (a count in rank 0's store). At the
-end rank 0 merges every rank's trace into one timeline, a track per rank, or says how to:
-python -m rpc_harness.profiling FOLDER."""
+"""--profile DIR: each process profiles itself with a Recorder and writes DIR/<its name>.json;
+one merges the traces into DIR/timeline.json, a track per process, for https://ui.perfetto.dev.
+`python -m rpc_harness.profiling FOLDER` merges the traces of a folder (ranks of several
+machines, gathered there).
+
+A process that loops (a trainer, the agent) calls step() once a step: the window opens after
+WARMUP_STEPS and records --profile_steps steps (torch's ProfilerStep#N spans). A process that
+serves others (a parameter server under RPC) records from start() until every looping rank's
+window has closed (beat(), with the RPC join's windows_closed), or until stop()."""
 
 import contextlib
 import json
@@ -17,110 +21,108 @@ from .compat import profiler_options
 
 WARMUP_STEPS = 2
 TIMELINE = "timeline.json"
-_CLOSED = "rpc_harness/profiles_closed"
 
 
-class Profile:
-    """One rank's --profile: its profiler, and what the merge reads in its trace. The rank's
-    state (rank.Rank) holds it; its main thread steps it, its watch stops a serving rank's."""
+class Recorder:
+    """One process's --profile: its profiler and its trace (folder None: no --profile, and the
+    recorder does nothing)."""
 
-    def __init__(self, args, rank, name, store, run):
-        """At the join, on the main thread (Kineto must first start there, and torch 2.4 stop
-        there): a rank that serves starts recording now; one that loops, at its first step."""
-        self.folder = Path(args.profile)
-        self.steps = args.profile_steps
-        self.loop_count = len(args.harness.loops)
+    def __init__(self, folder, steps, rank, name, run=None):
+        self.folder = folder and Path(folder)
+        self.steps = steps
         self.name = name
-        self.store = store
-        self.loops = rank in args.harness.loops
+        self.run = run  # which run the trace is of (the RPC ranks': rank 0's host and pid)
         self.meta = {"rank": rank, "rankName": name, "run": run}
-        self.prof = None  # None before it starts, False once written
-        self.written = None  # the line that says where the trace went
+        self.prof = None if folder else False  # None before it starts, False once written
         self.lock = threading.Lock()  # the trace is written once, by the first thread to ask
-        if self.loops:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-                pass
-        else:
-            self.prof = self._start(on_trace_ready=self._write)
+        self.windows_closed = None  # a serving rank's: whether every looping rank's has closed
+        self.on_written = None  # a looping rank's: called once its trace is written
 
     def _start(self, **kwargs):
-        """A started profiler, with this rank's metadata, which the merge reads."""
-        prof = torch.profiler.profile(**profiler_options()[0], **kwargs)
+        """A started profiler, with this process's metadata, which the merge reads."""
+        prof = torch.profiler.profile(**profiler_options()[0], on_trace_ready=self._write,
+                                      **kwargs)
         for key, value in self.meta.items():
             prof.preset_metadata_json(key, json.dumps(value))
         prof.start()
         return prof
 
-    def step(self):
-        """One step of a looping rank: the window opens after WARMUP_STEPS."""
+    def start(self):
+        """A process that serves: record from now on."""
         if self.prof is None:
-            self.prof = self._start(on_trace_ready=self._write, schedule=torch.profiler.schedule(
+            self.prof = self._start()
+
+    def step(self):
+        """One step of a process that loops: the window opens after WARMUP_STEPS."""
+        if self.prof is None:
+            self.prof = self._start(schedule=torch.profiler.schedule(
                 wait=WARMUP_STEPS - 1, warmup=1, active=self.steps, repeat=1))
         elif self.prof:
             self.prof.step()
 
     def beat(self):
-        """Once a heartbeat: a serving rank stops recording once every loop's window has closed.
-        Rank 0's store may be gone (rank 0 ended): then the rank is ending too."""
-        if self.loops or not self.prof:
+        """Once in a while (the RPC rank's heartbeat): a serving process stops recording once
+        every looping rank's window has closed. Rank 0's store may be gone (rank 0 ended):
+        then this rank is ending too."""
+        if self.windows_closed is None or not self.prof:
             return
         with contextlib.suppress(RuntimeError):
-            if self.store.add(_CLOSED, 0) >= self.loop_count:
+            if self.windows_closed():
                 self._stop()
 
-    def end(self, seconds=None):
-        """Write the trace; the line that says where it went, or None. When the rank stops early,
-        within `seconds`, or the trace is left out."""
+    def stop(self, seconds=None):
+        """Write the trace, and print where it went. When the process stops early, within
+        `seconds`, or the trace is left out."""
         if seconds is None:
             self._stop()
-            return self.written
+            return
         writing = threading.Thread(target=self._stop, daemon=True, name="rpc_harness trace")
         writing.start()
         writing.join(seconds)
-        if writing.is_alive():
-            return f"{self.name}: its trace was not written within {seconds:g} s, and is left out"
-        return self.written
 
     def _stop(self):
-        """Stop the profiler (its trace is written by _write), once, whichever thread asks first."""
-        # RuntimeError: torch 2.4 stops a profiler only from the thread that started it (compat.py)
+        """Stop the profiler (its trace is written by _write), once, whichever thread asks
+        first. torch 2.4 stops a profiler only from the thread that started it (compat.py)."""
         with self.lock, contextlib.suppress(RuntimeError):
             if self.prof:
                 self.prof.stop()
 
     def _write(self, prof):
-        """The profiler's on_trace_ready: the trace, written whole under this rank's name."""
+        """The profiler's on_trace_ready: the trace, written whole under this process's name."""
         self.prof = False
-        path, part = self.folder / f"{self.name}.json", self.folder / f".{self.name}.json"
+        path = self.folder / f"{self.name}.json"
+        part = self.folder / f".{self.name}.json"
         prof.export_chrome_trace(str(part))
-        part.replace(path)  # whole or not at all: the rank may be killed meanwhile
-        self.written = f"{self.name}: profiled, wrote {path} ({path.stat().st_size // 1024} kB)" + (
-            "" if profiler_options()[1] else f"; torch {torch.__version__} records only the "
-            "thread that started the profiler, not the threads where RPCs run")
-        if self.loops:
+        part.replace(path)  # whole or not at all: the process may be killed meanwhile
+        line = f"{self.name}: profiled, wrote {path} ({path.stat().st_size // 1024} kB)"
+        if not profiler_options()[1]:
+            line += (f"; torch {torch.__version__} records only the thread that started the "
+                     "profiler, not the threads where RPCs run")
+        print(line, flush=True)
+        if self.on_written:
             with contextlib.suppress(RuntimeError):  # rank 0's store, gone as this rank ends
-                self.store.add(_CLOSED, 1)
+                self.on_written()
 
 
-def write_timeline_of_every_rank(profile, names):
-    """Rank 0, at the end: the timeline of every rank's trace of this run (`profile`: rank 0's),
-    if all are here (the ranks of other machines wrote theirs there); otherwise how to merge
-    them."""
+def write_timeline(folder, names, run=None):
+    """DIR/timeline.json from the traces of `names` (a track each, in that order) of one run
+    (`run`, as their recorders had it); or, where some are not in the folder (ranks of other
+    machines wrote theirs there), what to do. Returns the line that says which."""
     traces = {}
     for name in names:
-        path = profile.folder / f"{name}.json"
+        path = Path(folder) / f"{name}.json"
         if path.exists():
-            traces[name] = json.loads(path.read_text())
-    missing = [name for name in names if traces.get(name, {}).get("run") != profile.meta["run"]]
+            trace = json.loads(path.read_text())
+            if trace.get("run") == run:
+                traces[name] = trace
+    missing = [name for name in names if name not in traces]
     if missing:
-        print(f"{profile.name}: the traces of {', '.join(missing)} are not in {profile.folder} "
-              "here: put every rank's trace in one folder and run `python -m "
-              "rpc_harness.profiling FOLDER`")
-    else:
-        print(f"{profile.name}: {write_timeline(profile.folder, traces)}")
+        return (f"the traces of {', '.join(missing)} are not in {folder} here: put every "
+                "rank's trace in one folder and run `python -m rpc_harness.profiling FOLDER`")
+    return _write(folder, traces)
 
 
-def write_timeline(folder, traces):
+def _write(folder, traces):
     """Write the merged timeline of `traces` (a name -> its trace) into folder; what it did."""
     path = Path(folder) / TIMELINE
     path.write_text(json.dumps(merge(traces)))
@@ -129,21 +131,22 @@ def write_timeline(folder, traces):
 
 
 def merge(traces):
-    """One Chrome trace, a track per rank in rank order (`traces`: a name -> its trace)."""
+    """One Chrome trace, a track per process in the order given (`traces`: a name -> its
+    trace), on one clock."""
     base_ns = min(trace.get("baseTimeNanoseconds", 0) for trace in traces.values())
     events = []
-    for rank, (name, trace) in enumerate(traces.items()):
+    for track, (name, trace) in enumerate(traces.items()):
         shift_us = (trace.get("baseTimeNanoseconds", 0) - base_ns  # times: us after the base
                     - trace.get("clockOffsetNs", 0)) / 1e3
-        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": name}})
+        events.append({"ph": "M", "name": "process_name", "pid": track, "args": {"name": name}})
         for event in trace["traceEvents"]:
-            # The rank's metadata replaces each process's own; the profiler's bookkeeping
+            # The track's name replaces each process's own; the profiler's bookkeeping
             # ("Spans", the window's end) has no integer pid, and nothing of the work.
             if not isinstance(event.get("pid"), int):
                 continue
             if event.get("name", "").startswith("process_"):
                 continue
-            moved = {**event, "pid": rank}
+            moved = {**event, "pid": track}
             if "ts" in event:
                 moved["ts"] = float(event["ts"]) + shift_us
             events.append(moved)
@@ -160,7 +163,7 @@ def main():
         if "rankName" in trace:
             traces.append(trace)
     traces.sort(key=lambda trace: trace["rank"])
-    print(write_timeline(sys.argv[1], {trace["rankName"]: trace for trace in traces}))
+    print(_write(sys.argv[1], {trace["rankName"]: trace for trace in traces}))
 
 
 if __name__ == "__main__":

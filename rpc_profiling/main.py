@@ -13,7 +13,6 @@ names is explained where main.py first uses it.
 import json
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -51,6 +50,7 @@ def udf_with_ops():
     torch.mul(t1, t2)
 
 
+@rpc_harness.watched  # not in the recipe: one line when this rank ends early
 def worker(rank, world_size, args):
     os.environ["MASTER_ADDR"] = args.master_addr
     os.environ["MASTER_PORT"] = str(args.master_port)
@@ -306,10 +306,9 @@ def parse_args(argv=None):
 
 if __name__ == '__main__':
     args = parse_args()
-    # Not in the recipe: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this command
-    # stops the ranks it started and ends in one line, with the rank's status.
-    sys.excepthook = rpc_harness.excepthook
-    signal.signal(signal.SIGTERM, rpc_harness.on_sigterm)
+    # Not in the recipe: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
+    # command stops the ranks it started and says why in one line.
+    rpc_harness.supervise(args)
     # spawn, mp.spawn's start method: the rank that --rank names runs as it would under
     # mp.spawn, in a fresh interpreter, not in a fork of this one (unsafe once torch has
     # started threads)

@@ -113,6 +113,10 @@ class Run:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir  # the folder of its output, and of what a test writes beside it
         stem = log_dir / f"run{len(list(log_dir.glob('*.out')))}"
+        # Its own temporary folder, where the command makes the folder of its ranks' records.
+        self.tmpdir = stem.with_suffix(".tmp")
+        self.tmpdir.mkdir()
+        full_env["TMPDIR"] = str(self.tmpdir)
         self.out_path, self.err_path = stem.with_suffix(".out"), stem.with_suffix(".err")
         self.cmd = [str(part) for part in cmd]
         self.started = time.monotonic()
@@ -179,6 +183,11 @@ class Run:
             if not alive or time.monotonic() > deadline:
                 return alive
             time.sleep(0.1)
+
+    def records_left(self):
+        """The folders of the ranks' records (rpc_harness-*) that the run left behind: a
+        command removes its own however it ends, or its ranks do when it was killed."""
+        return list(self.tmpdir.glob("rpc_harness-*"))
 
     def kill_session(self):
         try:
@@ -288,6 +297,7 @@ def finish_together(runs, timeout):
         for run in runs:
             run.wait(timeout)
             assert not run.leftovers(), f"processes left running after {' '.join(run.cmd)}"
+            assert not run.records_left(), f"records left after {' '.join(run.cmd)}"
     finally:
         for run in runs:
             run.kill_session()
@@ -300,6 +310,7 @@ def run_example(example, *args, timeout=120, env=None, log_dir=None, script="mai
     alive = run.leftovers()
     run.kill_session()
     assert not alive, f"processes left running after {example}: {alive}"
+    assert not run.records_left(), f"records left after {example}"
     return run
 
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.rpc as rpc
@@ -85,6 +86,22 @@ def test_missing_mnist_is_one_clear_line(tmp_path, monkeypatch):
     assert str(tmp_path / "MNIST" / "raw") in problem
     assert all(name in problem for name in ps_data.MNIST_FILES)
     assert "--dataset synthetic" in problem
+
+
+def test_a_damaged_mnist_file_is_said_to_be_damaged(tmp_path, capsys):
+    """Files that are there but cannot be read (a header that promises 60,000 images with 1,000
+    bytes behind it, as an interrupted copy leaves) are not "missing": one line saying which
+    folder is damaged, status 2."""
+    write_mnist(tmp_path, train_size=60, test_size=20)
+    images = tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte"
+    images.write_bytes(bytes([0, 0, 8, 3]) + np.array([60000, 28, 28], ">i4").tobytes()
+                       + bytes(1000))
+    with pytest.raises(SystemExit) as exited:
+        ps.parse_args(["--data_dir", str(tmp_path), "--master_port", str(find_free_port())])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"MNIST in {tmp_path / 'MNIST' / 'raw'} is damaged: torchvision cannot read it" in err
+    assert "--dataset synthetic" in err and "could not be downloaded" not in err
 
 
 def test_each_trainer_gets_its_own_share_of_the_data():

@@ -27,25 +27,31 @@ def _raise():
 
 def _in_rank(name, victim, calls):
     import rpc_harness
-    from rpc_harness import rank as rank_module
 
     original = getattr(rpc_harness, name)
     made = [0]
 
-    def this_rank():
-        if hasattr(rank_module, "current"):
-            this = rank_module.current()
-            return None if this is None else this.rank
-        return rank_module._rank  # the harness before rank.Rank, for before/after figures
-
     def injected(*args, **kwargs):
-        if this_rank() == victim:
+        if _this_rank() == victim:
             made[0] += 1
             if made[0] == calls:
                 _raise()
         return original(*args, **kwargs)
 
     setattr(rpc_harness, name, injected)
+
+
+def _this_rank():
+    """This process's rank, as torch knows it: its RPC worker's id, or its rank in the default
+    process group (pipelining.py has no RPC); None before either."""
+    import torch.distributed as dist
+    import torch.distributed.rpc as rpc
+
+    try:
+        return rpc.get_worker_info().id
+    except RuntimeError:  # RPC not initialized
+        pass
+    return dist.get_rank() if dist.is_initialized() else None
 
 
 def _in_actor(where, calls):

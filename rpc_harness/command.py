@@ -1,0 +1,163 @@
+"""The command that starts the ranks: main.py's __main__, with the tutorial's mp.spawn (every
+rank) or mp.Process (the rank that --rank names). Its terminal's last line says why the run
+ended, with the status, and no rank is left behind.
+
+How a failure reaches each terminal's last line:
+
+1. A rank learns why it must end: its code raised, a peer was lost or failed, Ctrl-C, SIGTERM,
+   the join failed (rank.py, rendezvous.py). It leaves a record of why in the folder that
+   supervise() made (ending.write_record), goes quiet, and ends with a status: 1 for a failure,
+   2 for bad input, 128 + N for signal N. A rank killed by a signal leaves no record.
+2. Its command learns that the rank ended: under mp.spawn, mp.spawn raises in the command
+   (excepthook below); under mp.Process, p.join() returns (exit_status below); Ctrl-C or
+   SIGTERM reach the command itself (on_signal below).
+3. The command stops its other ranks, then says the earliest record, or that the rank was
+   killed by a signal, in one line; its status is the rank's."""
+
+import atexit
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+import torch.multiprocessing as mp
+
+from . import ending
+from .ending import signal_name
+
+# How long the ranks may take to end on their own, then after SIGTERM (a rank writes its
+# --profile trace first: 3 s at most), before they are killed.
+GRACE_SECONDS = 5.0
+
+_plan = None  # args.harness of this command
+
+
+def supervise(args):
+    """Not in the tutorials: make this command end in one line when a rank fails or is killed,
+    and on Ctrl-C or SIGTERM, stopping every rank it started first. It changes, in this process
+    (docs/harness.md says why): a private folder for the ranks' records, removed as the command
+    ends; handlers of SIGINT and SIGTERM; sys.excepthook, for mp.spawn's report of a failed
+    rank; torch.multiprocessing's log level (ERROR); TORCH_CPP_LOG_LEVEL=FATAL and, with
+    --profile, KINETO_LOG_LEVEL=6, unless set, which the ranks inherit; under torchrun, SIGTERM
+    when torchrun's agent dies."""
+    global _plan
+    _plan = args.harness
+    _plan.records = tempfile.mkdtemp(prefix="rpc_harness-")
+    atexit.register(shutil.rmtree, _plan.records, ignore_errors=True)
+    ending.on_signals(on_signal)
+    sys.excepthook = excepthook
+    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    if getattr(args, "profile", None):
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    if args.torchrun:
+        signal_when_the_parent_dies(signal.SIGTERM)
+
+
+def on_signal(number):
+    """Ctrl-C or SIGTERM to this command: pass it on to the ranks, stop them, end with
+    128 + the signal's number."""
+    ending.claim()
+    for process in multiprocessing.active_children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, number)
+    _stop_ranks()
+    status = 128 + number
+    suffix = "" if number == signal.SIGINT else " (SIGTERM)"
+    if _plan.spawn_all:
+        _end(f"interrupted{suffix}; stopped every rank", status)
+    records = ending.read_records(_plan.records)
+    if records:
+        _end(records[0]["line"], status)
+    _end(f"{_plan.names[_plan.rank]}: interrupted{suffix}", status)
+
+
+def excepthook(kind, value, traceback):
+    """sys.excepthook of the command: mp.spawn's report that a rank ended with an error ends
+    the command in one line; anything else is printed as Python prints it."""
+    if isinstance(value, mp.ProcessExitedException):
+        ending.claim()
+        _stop_ranks()
+        rank = value.error_index
+        _end_for(rank, value.exit_code, "; stopped the other ranks")
+    if isinstance(value, mp.ProcessRaisedException):
+        # Raised before the rank's own code ran (the harness catches what that raises): the
+        # rank's traceback, which mp.spawn carried here, then the line.
+        ending.claim()
+        _stop_ranks()
+        print(str(value).strip(), file=sys.stderr, flush=True)
+        _end(f"{_plan.names[value.error_index]} (rank {value.error_index}) failed; stopped "
+             "the other ranks", 1)
+    sys.__excepthook__(kind, value, traceback)
+
+
+def exit_status(process):
+    """Not in the tutorials: the command's exit status, from the rank that `process` ran (the
+    rank that --rank names): 0 if it succeeded; otherwise, in one line, why it ended."""
+    code = process.exitcode
+    if code == 0:
+        shutil.rmtree(_plan.records, ignore_errors=True)
+        return 0
+    ending.claim()
+    _end_for(_plan.rank, code, "")
+
+
+def _end_for(rank, code, suffix):
+    """End the command for rank `rank`, which ended with exit code `code` (negative: killed by
+    that signal): the earliest record of the ranks, or how the rank ended."""
+    who = f"{_plan.names[rank]} (rank {rank})"
+    if code < 0:  # killed by a signal: a status as a shell gives a killed command
+        _end(f"{who} was killed by {signal_name(-code)}{suffix}", 128 - code)
+    records = ending.read_records(_plan.records)
+    if records:
+        _end(records[0]["line"] + suffix, records[0]["status"])
+    _end(f"{who} exited with status {code}{suffix}", code)
+
+
+def _end(line, status):
+    shutil.rmtree(_plan.records, ignore_errors=True)
+    ending.end(line, status)
+
+
+def _stop_ranks():
+    """End every rank this command started: GRACE_SECONDS to end on their own (Ctrl-C reached
+    them too); then SIGCONT (a stopped rank acts on nothing else) and SIGTERM, GRACE_SECONDS
+    more, and SIGKILL."""
+    ranks = multiprocessing.active_children()
+    _join_all(ranks, GRACE_SECONDS)
+    for process in ranks:
+        if process.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGCONT)
+                process.terminate()
+    _join_all(ranks, GRACE_SECONDS)
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+        process.join()
+
+
+def _join_all(processes, seconds):
+    """Wait for every process to end, `seconds` at most in all."""
+    deadline = time.monotonic() + seconds
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+
+
+def signal_when_the_parent_dies(number):
+    """Ask Linux for signal `number` when this process's parent dies (PR_SET_PDEATHSIG, as
+    torch's mp.spawn asks for its ranks); if the parent is gone already, send it now."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, number)
+    if os.getppid() != parent:  # it died before the request
+        os.kill(os.getpid(), number)

@@ -1,0 +1,123 @@
+"""The one way that every process of this project ends when something goes wrong: a rank, the
+command that started it, a Monarch controller and a Monarch worker.
+
+end(line, status) ends the process at once. The first thread to call it wins; another thread
+that calls it later waits there until the process is gone. From then on a signal changes
+nothing: the handlers that on_signals() installs return at once. The line is written straight
+to the terminal's file descriptor, never through sys.stdout, whose lock another thread may hold
+while it waits on a full pipe. Then os._exit: Python's own exit would wait for torch's threads,
+which may wait for peers that are gone.
+
+A rank does not say its own last line. It leaves a record of why it ended (write_record): its
+rank, its name, the time, the line and the status, in a folder that the command made. The
+command reads the records (read_records) and says the earliest in its terminal."""
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import NoReturn
+
+# Held by the thread that ends this process, from claim() to os._exit.
+_claim = threading.Lock()
+_owner = None  # that thread's ident
+
+
+def claim():
+    """Make this thread the one that ends the process. Returns in the first thread to call it
+    (and again in that thread); in any other thread it waits until the process is gone."""
+    global _owner
+    if _owner == threading.get_ident():
+        return
+    if not _claim.acquire(blocking=False):
+        wait_forever()
+    _owner = threading.get_ident()
+
+
+def ending():
+    """Whether a thread has claimed the end of this process."""
+    return _claim.locked()
+
+
+def end(line, status) -> NoReturn:
+    """End this process now, with `line` (None: nothing to say) as its terminal's last line and
+    `status` as its exit status. What the process's other threads print from here on goes
+    nowhere."""
+    claim()
+    terminal = quiet()
+    if line:
+        os.write(terminal, (line + "\n").encode(errors="replace"))
+    os._exit(status)
+
+
+def quiet():
+    """From now on, what this process writes on its standard output and error goes nowhere.
+    Returns a file descriptor of the terminal (the old standard error)."""
+    terminal = os.dup(2)
+    nowhere = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(nowhere, 1)
+    os.dup2(nowhere, 2)
+    os.close(nowhere)
+    return terminal
+
+
+def wait_forever() -> NoReturn:
+    """Wait until another thread ends the process."""
+    while True:
+        threading.Event().wait()
+
+
+def wait_for_a_cause(seconds):
+    """A failure is often the echo of another (a call fails because its peer died): wait up to
+    `seconds` for another thread to find the cause and claim the end, and then wait for that end
+    (never returning). Returns if no other thread claimed it meanwhile."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if ending() and _owner != threading.get_ident():
+            wait_forever()
+        time.sleep(0.05)
+
+
+def on_signals(handler):
+    """Call handler(signal number) on Ctrl-C (SIGINT) and on SIGTERM, in the main thread, until
+    the end of the process is claimed; after that, signals change nothing."""
+
+    def unless_ending(number, frame):
+        if not ending():
+            handler(number)
+
+    signal.signal(signal.SIGINT, unless_ending)
+    signal.signal(signal.SIGTERM, unless_ending)
+
+
+def signal_name(number):
+    """A signal's name ("SIGKILL"), or its number where Python has none (a real-time signal)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+# --------- Each rank's record of why it ended --------------------
+
+def write_record(folder, rank, name, line, status):
+    """Leave the command the record of why this rank ends: written whole (a temporary file, then
+    renamed), one file a rank, in the command's private folder."""
+    record = {"rank": rank, "name": name, "time": time.time(), "line": line, "status": status}
+    path = Path(folder) / f"rank{rank}.json"
+    part = Path(folder) / f".rank{rank}.json"
+    with contextlib.suppress(OSError):  # the command has gone, and its folder with it
+        part.write_text(json.dumps(record))
+        part.replace(path)
+
+
+def read_records(folder):
+    """The records that the ranks left in `folder`, earliest first."""
+    records = []
+    for path in Path(folder).glob("rank*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            records.append(json.loads(path.read_text()))
+    return sorted(records, key=lambda record: record["time"])
