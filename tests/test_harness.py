@@ -271,6 +271,23 @@ def test_monarch_is_asked_for_only_where_it_has_wheels():
             assert marker.evaluate(environment) is expected, (path, python, platform_name)
 
 
+def test_the_newest_pins_give_every_claimed_python_one_release_of_each_package():
+    """requirements-newest.txt pins each package once for every Python that pyproject.toml
+    claims (3.10 to 3.14), its markers evaluated for each: where the newest release has no
+    wheel for an older Python, that Python gets the newest one that does."""
+    from packaging.requirements import Requirement
+
+    lines = (ROOT / "requirements-newest.txt").read_text().splitlines()
+    pins = [Requirement(line) for line in lines if line.strip() and not line.startswith("#")]
+    for python in ("3.10", "3.11", "3.12", "3.13", "3.14"):
+        environment = {"python_version": python, "sys_platform": "linux"}
+        chosen = [pin.name for pin in pins
+                  if pin.marker is None or pin.marker.evaluate(environment)]
+        assert len(chosen) == len(set(chosen)), (python, chosen)
+        assert {"torch", "torchvision", "numpy", "gymnasium"} <= set(chosen), python
+        assert ("torchmonarch" in chosen) == (python != "3.14")
+
+
 def test_without_a_monarch_for_this_python_the_program_says_why(monkeypatch):
     from rpc_harness import monarch_runs
 
