@@ -36,6 +36,7 @@ class Plan:
     summary: object  # summary(args, figures by rank name) -> (figures, line), on rank 0
     rank: int | None  # the rank this command starts (--rank, torchrun's); None: every rank
     records: str | None = None  # the command's folder for the ranks' records (supervise())
+    parent: int = field(default_factory=os.getppid)  # the process that started the command
     started: float = field(default=STARTED)
 
     @property

@@ -2,17 +2,22 @@
 rank) or mp.Process (the rank that --rank names). Its terminal's last line says why the run
 ended, with the status, and no rank is left behind.
 
-How a failure reaches each terminal's last line:
+How a failure travels from its cause to each terminal's last line:
 
-1. A rank learns why it must end: its code raised, a peer was lost or failed, Ctrl-C, SIGTERM,
-   the join failed (rank.py, rendezvous.py). It leaves a record of why in the folder that
-   supervise() made (ending.write_record), goes quiet, and ends with a status: 1 for a failure,
-   2 for bad input, 128 + N for signal N. A rank killed by a signal leaves no record.
-2. Its command learns that the rank ended: under mp.spawn, mp.spawn raises in the command
-   (excepthook below); under mp.Process, p.join() returns (exit_status below); Ctrl-C or
-   SIGTERM reach the command itself (on_signal below).
-3. The command stops its other ranks, then says the earliest record, or that the rank was
-   killed by a signal, in one line; its status is the rank's."""
+1. A rank learns why it must end, in rank.py: its code raised (Rank.fail, then the loop's
+   _on_fail); a peer's connection closed or went silent (_on_data, _turn: _peer_lost); rank 0
+   said a peer was lost or failed (_read); Ctrl-C or SIGTERM (_on_signal); or the join failed
+   (rendezvous.py). Each calls Rank.end, which writes the rank's record (ending.write_record:
+   its rank, name, time, line and status, in the folder that supervise() made), tells the
+   peers, closes its connections and exits: 1 for a failure, 2 for bad input, 128 + N for
+   signal N. A rank killed by a signal writes nothing.
+2. Its command learns that the rank ended. Under mp.spawn, mp.spawn stops the other ranks
+   (SIGTERM) and raises in the command: excepthook. Under mp.Process, p.join() returns:
+   exit_status. Ctrl-C or SIGTERM to the command itself: on_signal, which passes the signal
+   on to the ranks.
+3. The command stops what is left of its ranks (_stop_ranks) and says one line (_end_for):
+   that the rank was killed by a signal, else the earliest record. Then it removes the folder
+   and exits with that status (ending.end)."""
 
 import atexit
 import contextlib
@@ -56,7 +61,7 @@ def supervise(args):
     if getattr(args, "profile", None):
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     if args.torchrun:
-        signal_when_the_parent_dies(signal.SIGTERM)
+        signal_when_the_parent_dies(signal.SIGTERM, args.harness.parent)
 
 
 def on_signal(number):
@@ -79,21 +84,24 @@ def on_signal(number):
 
 def excepthook(kind, value, traceback):
     """sys.excepthook of the command: mp.spawn's report that a rank ended with an error ends
-    the command in one line; anything else is printed as Python prints it."""
+    the command in one line; any other error is printed as Python prints it, and the command
+    ends, status 1. Either way the ranks are stopped first (mp.spawn has stopped them already
+    when it reports one)."""
+    ending.claim()
     if isinstance(value, mp.ProcessExitedException):
-        ending.claim()
         _stop_ranks()
-        rank = value.error_index
-        _end_for(rank, value.exit_code, "; stopped the other ranks")
+        _end_for(value.error_index, value.exit_code, "; stopped the other ranks")
     if isinstance(value, mp.ProcessRaisedException):
         # Raised before the rank's own code ran (the harness catches what that raises): the
         # rank's traceback, which mp.spawn carried here, then the line.
-        ending.claim()
-        _stop_ranks()
         print(str(value).strip(), file=sys.stderr, flush=True)
+        _stop_ranks()
         _end(f"{_plan.names[value.error_index]} (rank {value.error_index}) failed; stopped "
              "the other ranks", 1)
+    # Any other error of the command's own: its traceback, as Python prints it.
     sys.__excepthook__(kind, value, traceback)
+    _stop_ranks()
+    _end(None, 1)
 
 
 def exit_status(process):
@@ -139,7 +147,7 @@ def _stop_ranks():
     for process in ranks:
         if process.is_alive():
             process.kill()
-        process.join()
+    _join_all(ranks, GRACE_SECONDS)
 
 
 def _join_all(processes, seconds):
@@ -149,14 +157,14 @@ def _join_all(processes, seconds):
         process.join(max(0.0, deadline - time.monotonic()))
 
 
-def signal_when_the_parent_dies(number):
-    """Ask Linux for signal `number` when this process's parent dies (PR_SET_PDEATHSIG, as
-    torch's mp.spawn asks for its ranks); if the parent is gone already, send it now."""
+def signal_when_the_parent_dies(number, parent):
+    """Ask Linux for signal `number` when this process's parent, process `parent`, dies
+    (PR_SET_PDEATHSIG, as torch's mp.spawn asks for its ranks); if it is gone already, send it
+    now."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
 
-    parent = os.getppid()
     pr_set_pdeathsig = 1
     ctypes.CDLL(None).prctl(pr_set_pdeathsig, number)
     if os.getppid() != parent:  # it died before the request

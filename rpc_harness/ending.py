@@ -5,8 +5,9 @@ end(line, status) ends the process at once. The first thread to call it wins; an
 that calls it later waits there until the process is gone. From then on a signal changes
 nothing: the handlers that on_signals() installs return at once. The line is written straight
 to the terminal's file descriptor, never through sys.stdout, whose lock another thread may hold
-while it waits on a full pipe. Then os._exit: Python's own exit would wait for torch's threads,
-which may wait for peers that are gone.
+while it waits on a full pipe, and within WRITE_SECONDS (a terminal paused with Ctrl-S takes
+nothing). Then os._exit: Python's own exit would wait for torch's threads, which may wait for
+peers that are gone.
 
 A rank does not say its own last line. It leaves a record of why it ended (write_record): its
 rank, its name, the time, the line and the status, in a folder that the command made. The
@@ -21,9 +22,13 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+# How long the last line may take to reach the terminal before the process ends anyway.
+WRITE_SECONDS = 2.0
+
 # Held by the thread that ends this process, from claim() to os._exit.
 _claim = threading.Lock()
 _owner = None  # that thread's ident
+_terminal = None  # the terminal's file descriptor, once quiet() has kept it
 
 
 def claim():
@@ -49,19 +54,34 @@ def end(line, status) -> NoReturn:
     claim()
     terminal = quiet()
     if line:
-        os.write(terminal, (line + "\n").encode(errors="replace"))
+        say(terminal, line)
     os._exit(status)
 
 
 def quiet():
     """From now on, what this process writes on its standard output and error goes nowhere.
-    Returns a file descriptor of the terminal (the old standard error)."""
-    terminal = os.dup(2)
-    nowhere = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(nowhere, 1)
-    os.dup2(nowhere, 2)
-    os.close(nowhere)
-    return terminal
+    Returns a file descriptor of the terminal (the standard error before the first call)."""
+    global _terminal
+    if _terminal is None:
+        _terminal = os.dup(2)
+        nowhere = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(nowhere, 1)
+        os.dup2(nowhere, 2)
+        os.close(nowhere)
+    return _terminal
+
+
+def say(terminal, text):
+    """Write text and a newline on the terminal's file descriptor, within WRITE_SECONDS; a
+    terminal that is gone (EPIPE) or takes nothing is given up on."""
+
+    def write():
+        with contextlib.suppress(OSError):
+            os.write(terminal, (text + "\n").encode(errors="replace"))
+
+    writing = threading.Thread(target=write, daemon=True, name="rpc_harness last line")
+    writing.start()
+    writing.join(WRITE_SECONDS)
 
 
 def wait_forever() -> NoReturn:

@@ -5,8 +5,8 @@ programs: the parser and its types, the threads (share_of_the_cores), the summar
 profiler (Recorder, write_timeline).
 
 Imported by the Monarch programs only (`from rpc_harness import monarch_runs`); importing it
-changes nothing in the process: each change comes with the call that makes it (README.md's
-table lists them)."""
+changes nothing in the process: each change comes with the call that makes it
+(docs/harness.md lists them)."""
 
 import asyncio
 import contextlib
@@ -216,12 +216,12 @@ def one_line_on_failure(role):
         what = traceback.format_exception_only(type(err.exception), err.exception)[-1].strip()
         end(f"{err.message.rstrip('.')} ({what}); stopped every process", 1,
             before=err.exception_formatted)
-    except Exception:
+    except Exception:  # noqa: BLE001 - any other error: its traceback, then the end
         # A call to an actor whose process failed raises here (Monarch's SupervisionError) as
         # the same failure reaches on_fault, which names the process. Otherwise the error is
         # not one of those expected: printed whole.
         ending.wait_for_a_cause(2)
-        raise
+        end(None, 1, before=traceback.format_exc())
     end(None, 0)
 
 
@@ -231,25 +231,36 @@ def end(line, status, before=None):
     ending.claim()
     stop_the_processes_started_here()
     if before:
-        os.write(2, (before.rstrip() + "\n").encode(errors="replace"))
+        ending.say(ending.quiet(), before.rstrip())
     ending.end(line, status)
 
 
 def stop_the_processes_started_here():
-    """SIGKILL every process this one started, and theirs: none prints after the run's last
-    line (Monarch's would die with this one a moment later)."""
+    """SIGKILL every process this one started, and theirs, until none is left (a process may
+    start another meanwhile; three rounds at most): none prints after the run's last line
+    (Monarch's would die with this one a moment later)."""
+    for _ in range(3):
+        ours = _descendants()
+        if not ours:
+            return
+        for pid in ours:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _descendants():
+    """The processes that this one started, and theirs, from /proc."""
     parents = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError, ValueError, IndexError):
                 stat = Path(f"/proc/{entry}/stat").read_text()
-                parents[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
+                if stat[stat.rindex(")") + 2] != "Z":  # a zombie is gone already
+                    parents[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
     ours = {os.getpid()}
     grew = True
     while grew:
         found = {pid for pid, parent in parents.items() if parent in ours} - ours
         grew = bool(found)
         ours |= found
-    for pid in ours - {os.getpid()}:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    return ours - {os.getpid()}

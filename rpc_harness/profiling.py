@@ -5,14 +5,15 @@ machines, gathered there).
 
 A process that loops (a trainer, the agent) calls step() once a step: the window opens after
 WARMUP_STEPS and records --profile_steps steps (torch's ProfilerStep#N spans). A process that
-serves others (a parameter server under RPC) records from start() until every looping rank's
-window has closed (beat(), with the RPC join's windows_closed), or until stop()."""
+serves others (a parameter server under RPC) records from start() until stop(), or until every
+looping rank's window has closed (start_until)."""
 
 import contextlib
 import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -35,7 +36,6 @@ class Recorder:
         self.meta = {"rank": rank, "rankName": name, "run": run}
         self.prof = None if folder else False  # None before it starts, False once written
         self.lock = threading.Lock()  # the trace is written once, by the first thread to ask
-        self.windows_closed = None  # a serving rank's: whether every looping rank's has closed
         self.on_written = None  # a looping rank's: called once its trace is written
 
     def _start(self, **kwargs):
@@ -60,15 +60,21 @@ class Recorder:
         elif self.prof:
             self.prof.step()
 
-    def beat(self):
-        """Once in a while (the RPC rank's heartbeat): a serving process stops recording once
-        every looping rank's window has closed. Rank 0's store may be gone (rank 0 ended):
-        then this rank is ending too."""
-        if self.windows_closed is None or not self.prof:
-            return
-        with contextlib.suppress(RuntimeError):
-            if self.windows_closed():
-                self._stop()
+    def start_until(self, windows_closed):
+        """A process that serves: record from now on, until windows_closed() says that every
+        looping rank's window has closed; asked every second, on a thread of its own, as the
+        store that counts them may be slow to answer."""
+        self.start()
+        threading.Thread(target=self._stop_when, args=(windows_closed,), daemon=True,
+                         name="rpc_harness profile").start()
+
+    def _stop_when(self, windows_closed):
+        while self.prof:
+            time.sleep(1.0)
+            with contextlib.suppress(RuntimeError):  # the store is gone: the rank is ending
+                if windows_closed():
+                    self._stop()
+                    return
 
     def stop(self, seconds=None):
         """Write the trace, and print where it went. When the process stops early, within

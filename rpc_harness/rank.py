@@ -8,9 +8,9 @@ The loop is one thread that acts for the rank: a `selectors` loop over the wake 
 and SIGTERM, which Python's C handler writes there even while the main thread waits in torch's
 C++ code, and the main thread's requests) and one TCP connection to each peer (rank 0 holds one
 to each rank, the others one to rank 0), on which each side says "." every HEARTBEAT_SECONDS.
-Only the loop writes to the peers. A peer whose connection closes before it said "bye", that
-failed, or that stays silent for --rpc_timeout is lost: rank 0 tells the others, and each rank
-ends (Rank.end), wherever its main thread waits."""
+Only the loop writes to the peers. A peer whose connection closes before it said "bye" (or
+before this rank is done), that failed, or that stays silent for --rpc_timeout is lost: rank 0
+tells the others, and each rank ends (Rank.end), wherever its main thread waits."""
 
 import argparse
 import contextlib
@@ -52,6 +52,11 @@ PARENT_SECONDS = 0.3
 # A turn of the loop this much later than its timeout: the process was stopped (SIGSTOP, a
 # suspended laptop), and the peers' silence meanwhile is its own.
 STOPPED_SECONDS = 2 * HEARTBEAT_SECONDS
+# How long an ending rank stays once its connections are closed: its peers read the closed
+# connections while RPC's are still up. Under mp.spawn, longer: mp.spawn names the first rank
+# that it sees end, which must be a killed peer, not this rank that lost it.
+LINGER_SECONDS = 0.25
+LINGER_UNDER_MP_SPAWN_SECONDS = 1.0
 
 _this = None  # this process's Rank
 
@@ -106,8 +111,9 @@ class Rank:
         for number in (signal.SIGINT, signal.SIGTERM):  # the C handler writes to the pipe
             signal.signal(number, lambda number, frame: None)
         threading.Thread(target=self._loop, daemon=True, name="rpc_harness loop").start()
-        if not self.args.harness.spawn_all:
-            signal_when_the_parent_dies(signal.SIGTERM)
+        parent = multiprocessing.parent_process()
+        if not self.args.harness.spawn_all and parent is not None:
+            signal_when_the_parent_dies(signal.SIGTERM, parent.pid)
         if not os.environ.get("OMP_NUM_THREADS"):
             torch.set_num_threads(self.args.harness.threads[self.rank])
         whole_lines()
@@ -185,8 +191,6 @@ class Rank:
         Returns when to beat next."""
         if time.monotonic() >= next_beat:
             self._send_to_all(b".\n")
-            if self.recorder:
-                self.recorder.beat()
             next_beat = time.monotonic() + HEARTBEAT_SECONDS
         timeout = max(0.0, next_beat - time.monotonic())
         before = time.monotonic()
@@ -209,9 +213,10 @@ class Rank:
             getattr(self, f"_on_{kind}")(payload)
 
     def _on_signal(self, number):
-        """Ctrl-C or SIGTERM: the rank ends at once, with 128 + the signal's number. If it is
-        the death signal (the command that started the rank has gone), nobody reads the
-        rank's record: it removes the command's folder instead."""
+        """Ctrl-C or SIGTERM: the rank ends at once, with 128 + the signal's number. Where the
+        command that started the rank has gone (the signal is the death signal that the rank
+        asked for, or mp.spawn's), nobody reads the rank's record: it removes the command's
+        folder instead."""
         ending.claim()
         ending.quiet()
         parent = multiprocessing.parent_process()
@@ -309,14 +314,15 @@ class Rank:
     # --------- The end --------------------
 
     def end(self, line, status, tell=None, resume=None) -> NoReturn:
-        """End this rank now, with `line` as its record (None: none) and `status`. The record
-        comes first, so that the records of the peers that end because of this rank come later;
-        then `tell` goes to the peers, and SIGCONT to the process `resume`. The rank goes quiet:
-        what its threads print from now on (RPC's errors of the calls that meet a lost peer, a
-        line of the program's loop) goes nowhere. The connections to the peers close, so that
+        """End this rank now, with `line` as its record (None: none) and `status`. The rank goes
+        quiet: what its threads print from now on (RPC's errors of the calls that meet a lost
+        peer, a line of the program's loop) goes nowhere. The record comes next, so that the
+        records of the peers that end because of this rank come later; then `tell` goes to the
+        peers, and SIGCONT to the process `resume`. The connections to the peers close, so that
         they learn from them, not from a failed RPC, that this rank has gone; then its --profile
         trace is written (3 s at most)."""
         ending.claim()
+        ending.quiet()
         if line:
             ending.write_record(self.args.harness.records, self.rank, self.name, line, status)
         if tell:
@@ -324,14 +330,15 @@ class Rank:
         if resume:
             with contextlib.suppress(OSError):
                 os.kill(resume, signal.SIGCONT)
-        ending.quiet()
         for sock in self.peers.values():
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
         if self.recorder:
             self.recorder.stop(seconds=3.0)
-        if self.peers:
-            time.sleep(0.25)  # the peers read the closed connections while RPC's are still up
+        if self.peers and self.args.harness.spawn_all:
+            time.sleep(LINGER_UNDER_MP_SPAWN_SECONDS)
+        elif self.peers:
+            time.sleep(LINGER_SECONDS)
         ending.end(None, status)
 
 

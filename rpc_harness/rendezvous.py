@@ -132,7 +132,7 @@ def _open_store(this, addr, port, deadline):
         return dist.TCPStore(addr, port, is_master=False,
                              timeout=datetime.timedelta(seconds=seconds_left))
     except OSError as err:  # rank 0's port, taken since the command line was checked
-        this.end(f"{this.name}: cannot listen on {where} ({err.strerror})", 2)
+        this.end(f"{this.name}: cannot listen on {where} ({err.strerror or err})", 2)
     except RuntimeError as err:  # torch's DistNetworkError: rank 0's store went away meanwhile
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         this.end(f"{this.name}: cannot reach {rank_0}'s store at {where} ({message})", 1)
@@ -154,9 +154,10 @@ def _wait_for_a_listener(addr, port, deadline):
 
 
 def _meet(this, store, watch, token, deadline, where):
-    """Claim this rank, then wait for every rank's claim. The first to see a program or flags
-    that differ from rank 0's, or its deadline pass with ranks missing, writes the verdict;
-    every rank that reads it ends with it. Returns every rank's claim."""
+    """Claim this rank, then wait for every rank's claim. The first rank to see every claim, a
+    program or flags that differ from rank 0's, or its deadline pass with ranks missing, writes
+    the verdict, which every rank follows: every rank's claim is returned, or the rank ends with
+    the verdict's line."""
     names = this.names
     world = range(len(names))
     mine = {"name": this.name, "program": _args.harness.program, "flags": _args.harness.flags,
@@ -179,7 +180,7 @@ def _meet(this, store, watch, token, deadline, where):
             if difference:
                 verdict = _decide(store, 2, difference)
             elif not missing:
-                return claims
+                verdict = _decide(store, 0, "every rank joined")
             elif time.monotonic() > deadline:
                 them = "them" if len(missing) > 1 else "it"
                 verdict = _decide(store, 1, f"{', '.join(missing)} did not join at {where} "
@@ -187,8 +188,10 @@ def _meet(this, store, watch, token, deadline, where):
                                             f"start {them} with the same flags")
             else:
                 time.sleep(POLL_SECONDS)
-        store.add(f"{KEYS}read the verdict", 1)
         status, message = json.loads(verdict)
+        if status == 0:  # every rank joined: their claims, all there
+            return {other: json.loads(store.get(f"{KEYS}rank{other}")) for other in world}
+        store.add(f"{KEYS}read the verdict", 1)
         if this.rank == 0:
             _stay_for_the_readers(store, len(names), deadline)
     except RuntimeError as err:  # the store went away: rank 0 ended meanwhile
@@ -271,11 +274,15 @@ def accept_peers(watch, claims, connect_by):
     closed and ignored."""
     peers = {}
     while len(peers) < len(claims) - 1:
-        watch.settimeout(max(0.01, connect_by - time.monotonic()))
+        seconds_left = connect_by - time.monotonic()
+        if seconds_left <= 0:
+            raise TimeoutError("not every rank connected in time")
+        watch.settimeout(seconds_left)
         sock, _ = watch.accept()  # socket.timeout (an OSError) past the bound
         sock.settimeout(max(0.01, connect_by - time.monotonic()))
         try:
-            words = sock.makefile("rb").readline(100).split()
+            # unbuffered: a line read a byte at a time, nothing of what follows taken
+            words = sock.makefile("rb", buffering=0).readline(100).split()
         except OSError:
             words = []
         claimed = int(words[0]) if len(words) == 2 and words[0].isdigit() else None
@@ -310,8 +317,7 @@ def _recorder(this, store):
             pass
         recorder.on_written = lambda: store.add(closed, 1)
     else:
-        recorder.windows_closed = lambda: store.add(closed, 0) >= len(_args.harness.loops)
-        recorder.start()
+        recorder.start_until(lambda: store.add(closed, 0) >= len(_args.harness.loops))
     return recorder
 
 

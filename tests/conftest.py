@@ -2,6 +2,7 @@
 that also checks nothing is left running, --profile's timeline, and tiny MNIST files.
 In-process access to an example's modules is in example_modules.py."""
 
+import contextlib
 import gzip
 import json
 import os
@@ -113,9 +114,9 @@ class Run:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir  # the folder of its output, and of what a test writes beside it
         stem = log_dir / f"run{len(list(log_dir.glob('*.out')))}"
-        # Its own temporary folder, where the command makes the folder of its ranks' records.
-        self.tmpdir = stem.with_suffix(".tmp")
-        self.tmpdir.mkdir()
+        # Its own temporary folder, where the command makes the folder of its ranks' records:
+        # a short path, as Monarch's processes put Unix sockets there (at most 108 bytes).
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="run-"))
         full_env["TMPDIR"] = str(self.tmpdir)
         self.out_path, self.err_path = stem.with_suffix(".out"), stem.with_suffix(".err")
         self.cmd = [str(part) for part in cmd]
@@ -190,10 +191,14 @@ class Run:
         return list(self.tmpdir.glob("rpc_harness-*"))
 
     def kill_session(self):
+        """Kill whatever of the run is left, and remove its temporary folder."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
 @pytest.fixture
@@ -308,9 +313,10 @@ def run_example(example, *args, timeout=120, env=None, log_dir=None, script="mai
     """Run an example to completion; fail the test if it times out or leaves processes."""
     run = start_example(example, *args, env=env, log_dir=log_dir, script=script).wait(timeout)
     alive = run.leftovers()
+    records = run.records_left()
     run.kill_session()
     assert not alive, f"processes left running after {example}: {alive}"
-    assert not run.records_left(), f"records left after {example}"
+    assert not records, f"records left after {example}: {records}"
     return run
 
 
