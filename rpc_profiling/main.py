@@ -214,7 +214,7 @@ def write_timeline(args, profiled):
     traces = {name: {**json.loads(profiled[name]["trace"]),
                      "clockOffsetNs": -clocks.get(name, (0, 0))[0]}
               for name in sorted(profiled, key=rank_of)}
-    wrote = profiling.write_timeline(args.profile, traces)
+    wrote = profiling.save_timeline(args.profile, traces)
     print(wrote[0].upper() + wrote[1:])
     path = os.path.join(args.profile, profiling.TIMELINE)
     recipe = profiled["worker0"]["recipe"]

@@ -21,7 +21,11 @@ _SPEC = os.environ.get("FAULTS_RAISE")
 
 
 def _raise():
-    Path(os.environ["FAULTS_RAISED"]).write_text(f"{time.time()} {os.getpid()}")
+    # whole or not at all (a temporary file, renamed): faults.py reads it as it appears
+    raised = Path(os.environ["FAULTS_RAISED"])
+    part = raised.with_name(f".{raised.name}.{os.getpid()}")
+    part.write_text(f"{time.time()} {os.getpid()}")
+    part.replace(raised)
     raise RuntimeError("an error injected by bench/faults.py")
 
 
