@@ -125,10 +125,10 @@ def write_timeline(folder, names, run=None):
     if missing:
         return (f"the traces of {', '.join(missing)} are not in {folder} here: put every "
                 "rank's trace in one folder and run `python -m rpc_harness.profiling FOLDER`")
-    return _write(folder, traces)
+    return save_timeline(folder, traces)
 
 
-def _write(folder, traces):
+def save_timeline(folder, traces):
     """Write the merged timeline of `traces` (a name -> its trace) into folder; what it did."""
     path = Path(folder) / TIMELINE
     path.write_text(json.dumps(merge(traces)))
@@ -169,7 +169,7 @@ def main():
         if "rankName" in trace:
             traces.append(trace)
     traces.sort(key=lambda trace: trace["rank"])
-    print(_write(sys.argv[1], {trace["rankName"]: trace for trace in traces}))
+    print(save_timeline(sys.argv[1], {trace["rankName"]: trace for trace in traces}))
 
 
 if __name__ == "__main__":
