@@ -11,7 +11,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 OLDEST := .venv-oldest
 
-.PHONY: run test test-quick test-oldest bench faults pictures clean
+.PHONY: run test test-quick test-oldest bench faults pictures docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -125,6 +125,11 @@ pictures: $(VENV)/.dev-installed
 	  pipelining.py,timeline-pipelining.png)
 	@$(call PICTURE,rpc_profiling,,--first "rpc_async#aten::add" --last "rpc_async#aten::mul" \
 	  --title "rpc_profiling: worker0's add and mul RPCs and what worker1 ran for them")
+
+# The READMEs' sample outputs, run again, and their links to lines of code pointed again
+# (docs/make_docs.py). LINKS=1: the links only, which runs nothing.
+docs: $(VENV)/.dev-installed
+	$(PY) docs/make_docs.py $(if $(LINKS),--links-only)
 
 clean:
 	rm -rf $(VENV) $(OLDEST) .pytest_cache .ruff_cache

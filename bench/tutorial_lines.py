@@ -7,7 +7,9 @@ code; this repository holds no copy of them). For each entry point and the upstr
 revision nearest its tutorial's text: the code lines of both (comments, docstrings and blank
 lines left out; spaces and quotes made alike), and the longest run of lines that both hold in
 the same order. Two figures: the share of our code lines that are the tutorial's, and the share
-of the tutorial's code lines that are in ours, in order."""
+of the tutorial's code lines that are in ours, in order. Then our lines that are not the
+tutorial's and carry no "# ours:" mark (on the line, on its statement's first line, or in a
+comment just above), which should be none."""
 
 import argparse
 import ast
@@ -36,8 +38,8 @@ PAIRS = [
 
 
 def code_lines(text):
-    """The lines of code of a Python source, each with its spaces and quotes made alike:
-    comments, docstrings and blank lines left out."""
+    """The lines of code of a Python source, each with its spaces and quotes made alike, and its
+    line number: comments, docstrings and blank lines left out."""
     docstrings = set()
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -57,22 +59,51 @@ def code_lines(text):
             line = line[:comments[number]]
         line = re.sub(r"\s+", " ", line.replace("'", '"')).strip()
         if line:
-            lines.append(line)
+            lines.append((line, number))
     return lines
 
 
 def in_order(ours, theirs):
-    """How many lines both hold in the same order (the longest common subsequence)."""
-    previous = [0] * (len(theirs) + 1)
-    for line in ours:
-        current = [0]
-        for column, other in enumerate(theirs, start=1):
-            if line == other:
-                current.append(previous[column - 1] + 1)
+    """The indices of `ours` that both hold in the same order (a longest common subsequence)."""
+    table = [[0] * (len(theirs) + 1) for _ in range(len(ours) + 1)]
+    for row in range(len(ours) - 1, -1, -1):
+        for column in range(len(theirs) - 1, -1, -1):
+            if ours[row] == theirs[column]:
+                table[row][column] = table[row + 1][column + 1] + 1
             else:
-                current.append(max(previous[column], current[column - 1]))
-        previous = current
-    return previous[-1]
+                table[row][column] = max(table[row + 1][column], table[row][column + 1])
+    matched = set()
+    row = column = 0
+    while row < len(ours) and column < len(theirs):
+        if ours[row] == theirs[column]:
+            matched.add(row)
+            row += 1
+            column += 1
+        elif table[row + 1][column] >= table[row][column + 1]:
+            row += 1
+        else:
+            column += 1
+    return matched
+
+
+def unmarked(text, numbers):
+    """Of the line numbers `numbers` (our lines that are not the tutorial's), those with no
+    "# ours:" mark on the line, on the first line of its statement, or in a comment just
+    above."""
+    source = text.splitlines()
+    starts = {}
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.stmt):
+            for number in range(node.lineno, node.end_lineno + 1):
+                if number not in starts or node.lineno > starts[number]:
+                    starts[number] = node.lineno
+    found = []
+    for number in numbers:
+        first = starts.get(number, number)
+        places = {number, first, first - 1}
+        if not any("# ours" in source[place - 1] for place in places if place >= 1):
+            found.append(number)
+    return found
 
 
 def main():
@@ -82,17 +113,25 @@ def main():
     print("| entry point | upstream script (revision) | our code lines | the tutorial's | "
           "of ours that are the tutorial's | of the tutorial's in ours, in order |")
     print("|---|---|---:|---:|---:|---:|")
+    missing_marks = {}
     for ours_path, theirs_path, revision in PAIRS:
         theirs_text = subprocess.run(["git", "-C", args.upstream, "show",
                                       f"{revision}:{theirs_path}"], capture_output=True,
                                      text=True, check=True).stdout
-        ours = code_lines((ROOT / ours_path).read_text())
+        ours_text = (ROOT / ours_path).read_text()
+        ours = code_lines(ours_text)
         theirs = code_lines(theirs_text)
-        both = in_order(ours, theirs)
+        matched = in_order([line for line, _ in ours], [line for line, _ in theirs])
+        both = len(matched)
         print(f"| {ours_path} | {theirs_path.removeprefix('distributed/rpc/')} ({revision}) | "
               f"{len(ours)} | {len(theirs)} | {both / len(ours):.0%} | "
               f"{both / len(theirs):.0%} |")
-
+        changed = [number for index, (_, number) in enumerate(ours) if index not in matched]
+        missing_marks[ours_path] = unmarked(ours_text, changed)
+    for path, numbers in missing_marks.items():
+        if numbers:
+            print(f"{path}: lines not the tutorial's without '# ours:': "
+                  f"{', '.join(map(str, numbers))}")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -42,8 +42,9 @@ from monarch.actor import (  # noqa: E402
 )
 
 from data import equal_share_batches, get_data_loaders  # noqa: E402
-from main import Net, add_training_arguments, check_mnist_folder, get_accuracy  # noqa: E402
-from main import write_summary as write_tutorial_summary  # noqa: E402
+from extras import add_data_arguments, add_step_arguments, check_mnist_folder  # noqa: E402
+from extras import write_summary as write_tutorial_summary  # noqa: E402
+from main import Net, get_accuracy  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -311,8 +312,8 @@ def parse_args(argv=None):
                         default=4, metavar="N",
                         help="processes: this command's, which holds the parameter server, and "
                              "one per trainer, as in main.py and batch.py")
-    add_training_arguments(parser, lr_help="SGD learning rate (default: 0.03 times "
-                                           "--batch_update_size, as batch.py's)")
+    add_data_arguments(parser)
+    add_step_arguments(parser)
     parser.add_argument("--batch_update_size", "--batch-update-size",
                         type=monarch_runs.int_at_least(1), default=None, metavar="N",
                         help="gradients in each step (default: the number of trainers)")

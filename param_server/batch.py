@@ -34,8 +34,9 @@ except ModuleNotFoundError:
                      "holds pyproject.toml), or run `make run` there") from None
 
 from data import equal_share_batches, get_data_loaders
-from main import Net, check_args, get_accuracy, make_parser
-from main import write_summary as write_tutorial_summary
+from extras import add_step_arguments, check_args
+from extras import write_summary as write_tutorial_summary
+from main import Net, get_accuracy, make_parser
 
 
 def timed_log(text):
@@ -241,12 +242,11 @@ def parse_args(argv=None):
     with --batch_update_size, checked as main.py checks its own."""
     parser = make_parser(
         "The batch RPC tutorial's parameter server: synchronous steps, each on the gradients "
-        "of --batch_update_size trainers.",
-        lr_help="SGD learning rate (default: 0.03 times --batch_update_size, as each step "
-                "averages that many gradients)")
-    parser.add_argument("--batch_update_size", "--batch-update-size",
-                        type=rpc_harness.int_at_least(1), default=None, metavar="N",
-                        help="gradients in each step (default: the number of trainers)")
+        "of --batch_update_size trainers.")
+    add_step_arguments(parser)
+    parser.add_argument("--batch_update_size", type=rpc_harness.int_at_least(1), default=None,
+                        metavar="N", help="gradients in each step (default: the number of "
+                                          "trainers)")
     args = parser.parse_args(argv)
     check_args(parser, args, worker_name, computes=train, summary=write_summary)
     trainers = args.world_size - 1

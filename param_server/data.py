@@ -3,6 +3,7 @@ generated digits of the same shape; and each trainer's share of it."""
 
 import contextlib
 import io
+import itertools
 import socket
 from pathlib import Path
 
@@ -106,3 +107,28 @@ def equal_share_batches(train_loader, num_trainers, args):
     differ by a sample at most), at most --max_batches."""
     smallest_share = len(train_loader.dataset.dataset) // num_trainers
     return min(-(-smallest_share // args.batch_size), args.max_batches or smallest_share)
+
+
+class Epochs:
+    """main.py's training loader: --epochs passes over a trainer's share (`loader`), each cut
+    at --max_batches batches, as one loader, so that the tutorial's loop over one loader trains
+    as long as the flags say."""
+
+    def __init__(self, loader, epochs, max_batches):
+        self.loader = loader
+        self.dataset = loader.dataset
+        self.epochs = epochs
+        self.batches = min(len(loader), max_batches or len(loader))
+
+    def __len__(self):
+        return self.epochs * self.batches
+
+    def __iter__(self):
+        for _ in range(self.epochs):
+            yield from itertools.islice(self.loader, self.batches)
+
+
+def get_training_data(rank, world_size, args):
+    """main.py's trainer's data: its loader of every epoch (Epochs), and the test loader."""
+    train_loader, test_loader = get_data_loaders(rank, world_size, args)
+    return Epochs(train_loader, args.epochs, args.max_batches), test_loader

@@ -1,43 +1,45 @@
-"""Distributed Pipeline Parallelism Using RPC: the tutorial's code, runnable.
+"""Distributed Pipeline Parallelism Using RPC: the tutorial's code, in its order. A ResNet-50 in
+two shards on worker1 and worker2 (ranks 1 and 2); the master (rank 0) cuts each batch into
+micro-batches and chains them through the shards with asynchronous RPCs, so that shard 1 works
+on micro-batch i+1 while shard 2 works on micro-batch i.
 
-A ResNet-50 in two shards on `worker1` and `worker2`; the `master` chains each batch's
-micro-batches through them with asynchronous RPCs, so that shard 1 works on micro-batch i+1
-while shard 2 works on i. README.md says what differs from the tutorial and why; data.py holds
-the data; pipelining.py trains the same model with torch.distributed.pipelining. rpc_harness,
-this project's package, bounds every wait and ends every rank in one line when one fails; each
-of its names is explained where main.py first uses it.
+Each line that is not the tutorial's ends with "# ours:" and why. What is not the lesson (where
+a shard runs, each batch's loss and seconds, the ranks' names, the run's summary, the command
+line) is in extras.py, the images in data.py. README.md says what differs from the tutorial and
+why; pipelining.py trains the same model with torch.distributed.pipelining.
 
     python main.py                                          # every rank on this machine
     python main.py --rank R                                 # one rank per terminal, R = 0, 1, 2
 """
 
 import os
-import sys
+import sys  # ours: the command's exit status
 import threading
 import time
 
 import torch
+import torch.nn as nn
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
-import torch.nn as nn
 import torch.optim as optim
 from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
+
 from torchvision.models.resnet import Bottleneck
 
-try:
-    import rpc_harness
-except ModuleNotFoundError:
-    raise SystemExit("rpc_harness, this project's package, is missing: install it with "
-                     "`pip install -e PATH`, PATH being the repository's folder (the one that "
-                     "holds pyproject.toml), or run `make run` there") from None
+import rpc_harness  # ours: this project's package: `make run` installs it (or `pip install -e .`)
+from data import NUM_CLASSES, class_images  # ours: images of classes that can be learned
+from extras import Progress, choose_device, parse_args, zero_init_residuals  # ours: extras.py
 
-from data import NUM_CLASSES, class_images
 
-# Step 1: Partition ResNet50 Model
+# --------- Step 1: Partition ResNet50 Model --------------------
 
-num_classes = NUM_CLASSES  # the tutorial's 1000 classes of random labels: see data.py
+# ResNet-50 in two shards, one a worker: ResNetBase holds what both shards share, ResNetShard1
+# and ResNetShard2 each hold their half of the layers.
+
+
+num_classes = NUM_CLASSES  # ours: data.py's 10 classes, not 1000 classes of random labels
 
 
 def conv1x1(in_planes, out_planes, stride=1):
@@ -47,7 +49,7 @@ def conv1x1(in_planes, out_planes, stride=1):
 class ResNetBase(nn.Module):
     def __init__(self, block, inplanes, num_classes=1000,
                  groups=1, width_per_group=64, norm_layer=None):
-        super().__init__()
+        super(ResNetBase, self).__init__()
 
         self._lock = threading.Lock()
         self._block = block
@@ -56,9 +58,9 @@ class ResNetBase(nn.Module):
         self.dilation = 1
         self.groups = groups
         self.base_width = width_per_group
-        # The shard's device, chosen on its own worker: the master cannot see the worker's GPUs.
-        self.device = choose_device(rpc.get_worker_info().id, torch.cuda.device_count())
-        print(f"{type(self).__name__} on {rpc.get_worker_info().name}, {self.device}")
+        worker = rpc.get_worker_info()  # ours: the device, chosen on the shard's worker, whose
+        self.device = choose_device(worker.id, torch.cuda.device_count())  # ours: GPUs the master
+        print(f"{type(self).__name__} on {worker.name}, {self.device}")  # ours: cannot see
 
     def _make_layer(self, planes, blocks, stride=1):
         norm_layer = self._norm_layer
@@ -82,19 +84,15 @@ class ResNetBase(nn.Module):
         return nn.Sequential(*layers)
 
     def parameter_rrefs(self):
+        # an RRef to each of this shard's parameters, for the master's DistributedOptimizer
         return [RRef(p) for p in self.parameters()]
-
-    def _zero_init_residuals(self):
-        # Every residual block starts as the identity (torchvision's zero_init_residual): SGD
-        # at the tutorial's 0.05 then trains ResNet-50 from scratch without diverging.
-        for m in self.modules():
-            if isinstance(m, Bottleneck):
-                nn.init.constant_(m.bn3.weight, 0)
 
 
 class ResNetShard1(ResNetBase):
-    def __init__(self, *args, **kwargs):
-        super().__init__(Bottleneck, 64, *args, num_classes=num_classes, **kwargs)
+    # the stem and the first two stages
+    def __init__(self, *args, **kwargs):  # ours: no device: ResNetBase chooses it (above)
+        super(ResNetShard1, self).__init__(
+            Bottleneck, 64, num_classes=num_classes, *args, **kwargs)  # noqa: B026
 
         self.seq = nn.Sequential(
             nn.Conv2d(3, self.inplanes, kernel_size=7, stride=2, padding=3, bias=False),
@@ -109,9 +107,9 @@ class ResNetShard1(ResNetBase):
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode='fan_out', nonlinearity='relu')
             elif isinstance(m, nn.BatchNorm2d):
-                nn.init.constant_(m.weight, 1)
-                nn.init.constant_(m.bias, 0)
-        self._zero_init_residuals()
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        zero_init_residuals(self)  # ours: each block starts as the identity, to train at 0.05
 
     def forward(self, x_rref):
         x = x_rref.to_here().to(self.device)
@@ -121,8 +119,10 @@ class ResNetShard1(ResNetBase):
 
 
 class ResNetShard2(ResNetBase):
-    def __init__(self, *args, **kwargs):
-        super().__init__(Bottleneck, 512, *args, num_classes=num_classes, **kwargs)
+    # the last two stages, the pooling and the classifier
+    def __init__(self, *args, **kwargs):  # ours: no device: ResNetBase chooses it (above)
+        super(ResNetShard2, self).__init__(
+            Bottleneck, 512, num_classes=num_classes, *args, **kwargs)  # noqa: B026
 
         self.seq = nn.Sequential(
             self._make_layer(256, 6, stride=2),
@@ -131,7 +131,7 @@ class ResNetShard2(ResNetBase):
         ).to(self.device)
 
         self.fc = nn.Linear(512 * self._block.expansion, num_classes).to(self.device)
-        self._zero_init_residuals()
+        zero_init_residuals(self)  # ours: each block starts as the identity, to train at 0.05
 
     def forward(self, x_rref):
         x = x_rref.to_here().to(self.device)
@@ -140,40 +140,42 @@ class ResNetShard2(ResNetBase):
         return out.cpu()
 
 
-# Step 2: Stitch ResNet50 Model Shards Into One Module
+# --------- Step 2: Stitch ResNet50 Model Shards Into One Module --------------------
 
 class DistResNet50(nn.Module):
-    def __init__(self, num_split, workers, *args, **kwargs):
-        super().__init__()
+    # the two shards as one nn.Module, whose forward pass pipelines the micro-batches
+    def __init__(self, split_size, workers, *args, **kwargs):
+        super(DistResNet50, self).__init__()
 
-        self.num_split = num_split
+        self.split_size = split_size
 
-        # Put the first part of the ResNet50 on workers[0]
+        # shard 1, built on the first worker
         self.p1_rref = rpc.remote(
             workers[0],
             ResNetShard1,
-            args=args,
-            kwargs=kwargs
+            args = args,  # ours: no device: each shard chooses its own, on its worker
+            kwargs = kwargs
         )
 
-        # Put the second part of the ResNet50 on workers[1]
+        # shard 2, built on the second worker
         self.p2_rref = rpc.remote(
             workers[1],
             ResNetShard2,
-            args=args,
-            kwargs=kwargs
+            args = args,  # ours: no device: each shard chooses its own, on its worker
+            kwargs = kwargs
         )
 
     def forward(self, xs):
+        # each micro-batch to shard 1, whose output (an RRef, at once) goes on to shard 2; the
+        # futures of shard 2's outputs, in the batch's order
         out_futures = []
-        # num_split micro-batches (the tutorial's split_size was never set)
-        split_size = -(-len(xs) // self.num_split)
-        for x in iter(xs.split(split_size, dim=0)):
+        for x in iter(xs.split(self.split_size, dim=0)):
             x_rref = RRef(x)
             y_rref = self.p1_rref.remote().forward(x_rref)
             z_fut = self.p2_rref.rpc_async().forward(y_rref)
             out_futures.append(z_fut)
 
+        # the outputs, once all have come, as one batch
         return torch.cat(torch.futures.wait_all(out_futures))
 
     def parameter_rrefs(self):
@@ -183,50 +185,51 @@ class DistResNet50(nn.Module):
         return remote_params
 
 
-# Step 3: Define The Training Loop
+# --------- Step 3: Define The Training Loop --------------------
 
-def run_master(num_split, args):
-    # put the two model parts on worker1 and worker2 respectively
-    model = DistResNet50(num_split, ["worker1", "worker2"])
-    # CrossEntropyLoss on class indices (the tutorial: MSELoss on one-hot labels): see README.md
-    loss_fn = nn.CrossEntropyLoss()
+def run_master(num_split, args):  # ours: the number of micro-batches, and the flags
+    split_size = -(-args.batch_size // num_split)  # ours: the size (rounded up) for num_split
+
+    # the shards, on worker1 and worker2
+    model = DistResNet50(split_size, ["worker1", "worker2"])
+    loss_fn = nn.CrossEntropyLoss()  # ours: class indices; MSELoss on one-hot labels diverged
     opt = DistributedOptimizer(
         optim.SGD,
         model.parameter_rrefs(),
-        lr=args.lr,
+        lr=args.lr,  # ours: --lr, the tutorial's 0.05 by default
     )
 
-    losses, seconds = [], []
-    # the same batches for every num_split, from --seed
-    batches = class_images(args.num_batches, args.batch_size, args.image_size, args.seed)
-    for i, (inputs, labels) in enumerate(batches):
-        rpc_harness.profile_step()  # not in the tutorial: --profile's window
+    batches = class_images(args.num_batches, args.batch_size,  # ours: data.py's images, the
+                           args.image_size, args.seed)  # ours: (above) same for every num_split
+    progress = Progress(num_split)  # ours: each batch's loss and seconds; the summary's figures
+
+    for i, (inputs, labels) in enumerate(batches):  # ours: (above)
+        rpc_harness.profile_step()  # ours: --profile's window; nothing without --profile
         print(f"Processing batch {i}")
-        started = time.perf_counter()
+        progress.start()  # ours: (above)
+
+        # Distributed autograd keeps this step's gradients under context_id, where the
+        # DistributedOptimizer finds them.
         with dist_autograd.context() as context_id:
             outputs = model(inputs)
-            loss = loss_fn(outputs, labels)
-            dist_autograd.backward(context_id, [loss])
+            loss = loss_fn(outputs, labels)  # ours: kept, to print it
+            dist_autograd.backward(context_id, [loss])  # ours: (above)
             opt.step(context_id)
-        seconds.append(time.perf_counter() - started)
-        losses.append(loss.item())
-        print(f"num_split {num_split}, batch {i}: loss {loss.item():.4f}, {seconds[-1]:.3f} s")
-    report(num_split, losses, seconds)  # not in the tutorial: the summary's figures
+        progress.end(i, loss)  # ours: each batch's loss and seconds (extras.py)
+    progress.report()  # ours: the summary's figures (extras.py)
 
 
-# Step 4: Launch RPC Processes
+# --------- Step 4: Launch RPC Processes --------------------
 
-@rpc_harness.watched  # not in the tutorial: one line when this rank ends early
-def run_worker(rank, world_size, args):
-    os.environ['MASTER_ADDR'] = args.master_addr
-    os.environ['MASTER_PORT'] = str(args.master_port)
-    torch.manual_seed(args.seed + rank)  # the shards' initial weights, on the workers
-    # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness, which joins the
-    # ranks where MASTER_ADDR and MASTER_PORT say (as the default env:// would), with bounded waits.
-    # The join installs in this rank the harness's loop (Ctrl-C, SIGTERM, the watch over the other
-    # ranks, which ends every rank in one line when one is lost or fails), its share of the cores
-    # and whole lines (README.md: "What the harness changes").
-    options = rpc_harness.options(args, num_worker_threads=128)
+@rpc_harness.watched  # ours: this rank ends in one line if it fails or loses a peer
+def run_worker(rank, world_size, args):  # ours: args, the flags
+    os.environ['MASTER_ADDR'] = args.master_addr  # ours: --master_addr, not 'localhost'
+    os.environ['MASTER_PORT'] = str(args.master_port)  # ours: --master_port, not '29500'
+    torch.manual_seed(args.seed + rank)  # ours: the shards' first weights, on the workers
+
+    # ours: TensorPipe's options, with --rpc_timeout and --rpc_transport; the ranks meet through
+    # the harness, which bounds every wait and watches the other ranks (README.md)
+    options = rpc_harness.options(args, num_worker_threads=128)  # ours: (above)
 
     if rank == 0:
         rpc.init_rpc(
@@ -235,12 +238,7 @@ def run_worker(rank, world_size, args):
             world_size=world_size,
             rpc_backend_options=options
         )
-        # each num_split in turn, in one world (the tutorial spawns a world for each)
-        for num_split in args.num_split:
-            tik = time.time()
-            run_master(num_split, args)
-            tok = time.time()
-            print(f"number of splits = {num_split}, execution time = {tok - tik}")
+        run_each_num_split(args)  # ours: every --num_split in this one world (below)
     else:
         rpc.init_rpc(
             f"worker{rank}",
@@ -248,141 +246,30 @@ def run_worker(rank, world_size, args):
             world_size=world_size,
             rpc_backend_options=options
         )
+        # a worker does nothing itself: it runs what the master calls on its shard
         pass
 
-    # block until all rpcs finish
+    # until every RPC is done
     rpc.shutdown()
 
 
-# --------- Not in the tutorial: devices, names, the summary -------------
-
-def choose_device(worker_rank, gpu_count):
-    """A worker's GPU when its machine has any (on one GPU both local workers; on two, cuda:0
-    and cuda:1, as in the tutorial), else its CPU. Tests fake gpu_count."""
-    return torch.device(f"cuda:{(worker_rank - 1) % gpu_count}" if gpu_count else "cpu")
-
-
-def worker_name(rank, world_size):
-    """Each rank's name in RPC, which the harness's messages use too."""
-    return "master" if rank == 0 else f"worker{rank}"
+def run_each_num_split(args):  # ours: the tutorial's __main__ loop, run by the master
+    for num_split in args.num_split:  # ours: (above), in one world, so that --rank runs them all
+        tik = time.time()
+        run_master(num_split, args)  # ours: (above); the tutorial spawned a world for each
+        tok = time.time()
+        print(f"number of splits = {num_split}, execution time = {tok - tik}")
 
 
-def holds_a_shard(rank, world_size):
-    """The ranks that compute (the workers, which run the shards), which share the cores."""
-    return rank != 0
-
-
-def is_the_master(rank, world_size):
-    """The rank that loops over batches, whose steps --profile records."""
-    return rank == 0
-
-
-def report(num_split, losses, seconds):
-    """Seconds per batch, without the first batch (warm-up), for the summary."""
-    steady = seconds[1:] or seconds
-    rpc_harness.report(**{str(num_split): {"seconds_per_batch": round(sum(steady) / len(steady),
-                                                                      4),
-                                           "first_loss": losses[0], "last_loss": losses[-1]}})
-
-
-def write_summary(args, reports):
-    """The run's figures and its line: each num_split's seconds a batch and first and last
-    loss, from what the master reported."""
-    splits = reports["master"]
-    best = min(splits, key=lambda n: splits[n]["seconds_per_batch"])
-    return ({"example": "pipeline_parallel", "batch_size": args.batch_size,
-             "image_size": args.image_size, "num_batches": args.num_batches, "splits": splits},
-            ", ".join(f"num_split {n}: {s['seconds_per_batch']:.3f} s a batch, loss "
-                      f"{s['first_loss']:.3f} -> {s['last_loss']:.3f}" for n, s in splits.items())
-            + (f"; fastest: num_split {best}" if len(splits) > 1 else ""))
-
-
-# --------- The tutorial's __main__, with a command line --------------------
-
-def parse_args(argv=None):
-    """The command line (the tutorial has none: it runs 3 ranks on this machine, each
-    num_split in turn), with this project's flags, checked: bad input ends the command here in
-    one line, status 2."""
-    # rpc_harness.ArgumentParser: argparse's, with every default in --help and errors in one
-    # line (status 2). rpc_harness.int_at_least(N), port_number and positive_float: argument
-    # types that refuse what a plain int or float would let through.
-    parser = rpc_harness.ArgumentParser(description=(
-        "Distributed pipeline parallelism: a ResNet-50 in two shards on worker1 and worker2, "
-        "driven by the master, which splits each batch into --num_split micro-batches."))
-    at_least = rpc_harness.int_at_least
-    parser.add_argument("--world_size", "--world-size", type=at_least(3), default=3,
-                        help="total number of processes: the master (rank 0), worker1 and "
-                             "worker2")
-    parser.add_argument("--rank", type=at_least(0), default=None,
-                        help="rank of this process: 0 for the master, 1 and 2 for the workers. "
-                             "Without it, every rank starts here (or torchrun's RANK)")
-    parser.add_argument("--master_addr", "--master-addr",
-                        default=os.environ.get("MASTER_ADDR", "localhost"),
-                        help="address of the master (rank 0), where every rank meets (the "
-                             "tutorial's localhost, or $MASTER_ADDR)")
-    parser.add_argument("--master_port", "--master-port", type=rpc_harness.port_number,
-                        default=os.environ.get("MASTER_PORT", "29500"),
-                        help="port of the master, where every rank meets (the tutorial's 29500, "
-                             "or $MASTER_PORT)")
-    # Not in the tutorial: this example's settings, each the tutorial's constant or size made a
-    # flag; then the flags that every example of this project has (timeouts, --seed,
-    # --summary_json, --profile).
-    parser.add_argument("--num_split", "--num-split", type=at_least(1), nargs="+",
-                        default=[1, 2, 4, 8], metavar="N",
-                        help="micro-batches per batch; several (1 2 4) are timed in turn")
-    parser.add_argument("--batch_size", "--batch-size", type=at_least(1), default=32,
-                        metavar="N", help="images per batch (the tutorial's 120)")
-    # >= 64: below, shard 2 ends at 1 x 1 pixel, where batch norm fails on a 1-image micro-batch
-    parser.add_argument("--image_size", "--image-size", type=at_least(64), default=64,
-                        metavar="PIXELS",
-                        help="height and width of the images (the tutorial's 128)")
-    parser.add_argument("--num_batches", "--num-batches", type=at_least(1), default=20,
-                        metavar="N",
-                        help="batches trained for each --num_split (the tutorial's 3)")
-    parser.add_argument("--lr", type=rpc_harness.positive_float, default=0.05, metavar="RATE",
-                        help="SGD learning rate")
-    # tcp: the shards' convolutions need every core, and shared memory's polling threads
-    # (one a process) took so much of two cores that a batch took 1.5 s instead of 1.0.
-    rpc_harness.add_arguments(parser, rpc_transport="tcp")
-    args = parser.parse_args(argv)
-    # rpc_harness.check_args: what argparse cannot check (the world, the rank, the address and
-    # port, --profile's folder); torchrun's RANK and WORLD_SIZE stand for --rank and
-    # --world_size; args.harness records what rpc_harness needs in every rank.
-    rpc_harness.check_args(parser, args, worker_name, computes=holds_a_shard,
-                           loops=is_the_master, summary=write_summary)
-    if args.world_size != 3:
-        parser.error(f"this example runs 3 ranks (the master, worker1 and worker2), "
-                     f"not --world_size {args.world_size}")
-    if max(args.num_split) > args.batch_size:
-        parser.error(f"--num_split {max(args.num_split)} is more micro-batches than the "
-                     f"{args.batch_size} images of a batch (--batch_size)")
-    return args
-
-
+# ours: the tutorial's command, whose loop over num_split is now the master's (above)
 if __name__ == "__main__":
-    args = parse_args()
-    # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
-    # command stops the ranks it started and says why in one line.
-    rpc_harness.supervise(args)
-    # spawn, mp.spawn's own way: the rank that --rank names starts in a fresh interpreter too
-    mp.set_start_method("spawn")
-
-    processes = []
-    world_size = args.world_size
-    if args.rank is None:
-        # The tutorial spawns a world for each num_split in turn, timing each; here one world
-        # runs every --num_split in turn (run_worker), so that a rank started by --rank, in a
-        # terminal of its own, runs them all too.
-        mp.spawn(run_worker, args=(world_size, args), nprocs=world_size, join=True)
-    else:
-        # Not in the tutorial: the one rank that --rank (or torchrun) names, in a process of
-        # its own, as the parameter-server tutorial starts its ranks.
-        p = mp.Process(target=run_worker, args=(args.rank, world_size, args))
-        p.start()
-        processes.append(p)
-
-        for p in processes:
-            p.join()
-        # Not in the tutorial: the rank's exit status is the command's; rpc_harness.exit_status
-        # says, in one line, when a signal killed the rank (which then could not say it).
-        sys.exit(rpc_harness.exit_status(p))
+    args = parse_args()  # ours: the command line, which the tutorial does not have (extras.py)
+    rpc_harness.supervise(args)  # ours: this command ends in one line when a rank fails
+    mp.set_start_method("spawn")  # ours: --rank's process starts afresh, as mp.spawn's
+    world_size = args.world_size  # ours: --world_size, the tutorial's 3 (the only one taken)
+    if args.rank is not None:  # ours: one rank (--rank, or torchrun's), as the other tutorials
+        p = mp.Process(target=run_worker, args=(args.rank, world_size, args))  # ours: (above)
+        p.start()  # ours: (above)
+        p.join()  # ours: (above)
+        sys.exit(rpc_harness.exit_status(p))  # ours: the rank's status, with its line
+    mp.spawn(run_worker, args=(world_size, args), nprocs=world_size, join=True)  # ours: args

@@ -324,6 +324,8 @@ def parse_args(argv=None):
                         help='Log every log_interval episodes')
     parser.add_argument('--gamma', default=0.99, type=monarch_runs.unit_interval, metavar='G',
                         help='how much to value future rewards')
+    parser.add_argument('--seed', type=monarch_runs.int_at_least(0), default=543, metavar='N',
+                        help="random seed (main.py's, the tutorial's)")
     parser.add_argument("--batch", action="store_true",
                         help="batch.py's agent and observers: one forward pass for the states of "
                              "every observer still playing, one call a step")

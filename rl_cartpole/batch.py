@@ -24,22 +24,10 @@ import torch.multiprocessing as mp
 from torch.distributed.rpc import rpc_async, rpc_sync
 from torch.distributions import Categorical
 
-try:
-    import rpc_harness
-except ModuleNotFoundError:
-    raise SystemExit("rpc_harness, this project's package, is missing: install it with "
-                     "`pip install -e PATH`, PATH being the repository's folder (the one that "
-                     "holds pyproject.toml), or run `make run` there") from None
+import rpc_harness  # this project's package: `make run` installs it (or `pip install -e .`)
 
-from main import (
-    Agent,
-    Observer,
-    _call_method,
-    check_args,
-    discounted_returns,
-    make_parser,
-    run_worker,
-)
+from extras import discounted_returns
+from main import Agent, Observer, _call_method, parse_args, run_worker
 
 
 def choose_device(gpu_count):
@@ -157,17 +145,7 @@ class BatchAgent(Agent):
         return min_reward
 
 
-# --------- The command line, and the __main__ --------------------
-
-def parse_args(argv=None):
-    """main.py's command line (the first tutorial's flags, with this project's), checked: bad
-    input ends the command here in one line, status 2."""
-    parser = make_parser("The batch RPC tutorial's agent: one forward pass of the policy "
-                         "answers every observer's request for an action.")
-    args = parser.parse_args(argv)
-    check_args(parser, args)
-    return args
-
+# --------- The __main__, with main.py's command line (parse_args) --------------------
 
 if __name__ == "__main__":
     args = parse_args()

@@ -1,8 +1,10 @@
-"""The tutorial's `rnn.RNNModel`, word_language_model's RNN split across RPC, and its parts."""
+"""The tutorial's `rnn.RNNModel`, word_language_model's RNN split across RPC: the embedding
+table and the decoder on a parameter server, the LSTM on the trainer. Each line that is not the
+tutorial's ends with "# ours:" and why."""
 
 import torch
-import torch.distributed.rpc as rpc
 import torch.nn as nn
+import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
 
 
@@ -13,8 +15,12 @@ def _call_method(method, rref, *args, **kwargs):
 
 # Calls the method on the object that rref holds, on its owner, and returns the result.
 def _remote_method(method, rref, *args, **kwargs):
-    args = [method, rref] + list(args)
-    return rpc.rpc_sync(rref.owner(), _call_method, args=args, kwargs=kwargs)
+    return rpc.rpc_sync(
+        rref.owner(),
+        _call_method,
+        args=[method, rref] + list(args),
+        kwargs=kwargs
+    )
 
 
 # An RRef to each parameter of a local module, for DistributedOptimizer.
@@ -25,48 +31,50 @@ def _parameter_rrefs(module):
     return param_rrefs
 
 
-def choose_embedding_device(gpu_count):
-    """cuda:0 if the machine has a GPU, as in the tutorial, else the CPU (tests fake the count)."""
-    return torch.device("cuda:0" if gpu_count > 0 else "cpu")
+def choose_embedding_device(gpu_count):  # ours: the table's device, in one place (the tests
+    return torch.device("cuda:0" if gpu_count > 0 else "cpu")  # ours: fake gpu_count)
 
 
 class EmbeddingTable(nn.Module):
-    """The encoder of RNNModel: an embedding table, on a GPU if there is one."""
+    # the encoder of RNNModel: an embedding table, on a GPU if there is one
     def __init__(self, ntoken, ninp, dropout):
-        super().__init__()
-        self.device = choose_embedding_device(torch.cuda.device_count())
+        super(EmbeddingTable, self).__init__()
         self.drop = nn.Dropout(dropout)
-        self.encoder = nn.Embedding(ntoken, ninp).to(self.device)
-        self.encoder.weight.data.uniform_(-0.1, 0.1)
+        self.encoder = nn.Embedding(ntoken, ninp)
+        self.device = choose_embedding_device(torch.cuda.device_count())  # ours: (above)
+        self.encoder = self.encoder.to(self.device)  # ours: (above)
+        nn.init.uniform_(self.encoder.weight, -0.1, 0.1)
 
     def forward(self, input):
-        # RPC hands over CPU tensors: indices in from the CPU, embeddings back to it.
-        return self.drop(self.encoder(input.to(self.device))).cpu()
+        input = input.to(self.device)  # ours: (above)
+        return self.drop(self.encoder(input)).cpu()
 
-    def get_device(self):
-        return str(self.device)
+    def get_device(self):  # ours: where the table is, which main.py says
+        return str(self.device)  # ours: (above)
 
 
 class Decoder(nn.Module):
+    # the decoder of RNNModel
     def __init__(self, ntoken, nhid, dropout):
-        super().__init__()
+        super(Decoder, self).__init__()
         self.drop = nn.Dropout(dropout)
         self.decoder = nn.Linear(nhid, ntoken)
-        self.decoder.bias.data.zero_()
-        self.decoder.weight.data.uniform_(-0.1, 0.1)
+        nn.init.zeros_(self.decoder.bias)
+        nn.init.uniform_(self.decoder.weight, -0.1, 0.1)
 
     def forward(self, output):
         return self.decoder(self.drop(output))
 
 
 class RNNModel(nn.Module):
-    """The embedding table and the decoder on the parameter server `ps`, the LSTM here."""
+    # The embedding table and the decoder on the parameter server `ps`, the LSTM here: the
+    # model of pytorch/examples' word_language_model, split across RPC.
     def __init__(self, ps, ntoken, ninp, nhid, nlayers, dropout=0.5):
-        super().__init__()
+        super(RNNModel, self).__init__()
+
         # the embedding table, on ps
         self.emb_table_rref = rpc.remote(ps, EmbeddingTable, args=(ntoken, ninp, dropout))
-        # Wait for the table to exist (by asking where it is) before creating the decoder, so
-        # that ps draws their random weights in the same order in every run.
+        # ours: the table made before the decoder, so that ps draws their weights in one order
         self.table_device = _remote_method(EmbeddingTable.get_device, self.emb_table_rref)
         # the LSTM, here
         self.rnn = nn.LSTM(ninp, nhid, nlayers, dropout=dropout)

@@ -4,6 +4,7 @@ Bad input ends the command here in one line, with status 2, before any rank star
 opens. check_args() records in args.harness (a Plan) what the harness needs in every rank."""
 
 import argparse
+import contextlib
 import os
 import socket
 import sys
@@ -46,22 +47,35 @@ class Plan:
 
 
 class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
-    """Every default in --help, except None: there the help text says what unset means."""
+    """Every default in --help, except None (there the help text says what unset means) and
+    where the help text gives it already (the tutorials' "(default: 0.99)")."""
 
     def _get_help_string(self, action):
-        if action.default is None:
+        if action.default is None or "(default:" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser with every default in --help, no abbreviated flags (a typo must not
-    pass for another flag), and errors in one line: "main.py: error: ...", status 2."""
+    pass for another flag), each flag spelled with hyphens too (--world-size for --world_size,
+    and the other way round), and errors in one line: "main.py: error: ...", status 2."""
 
     def __init__(self, **kwargs):
         kwargs.setdefault("formatter_class", _ShowDefaults)
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(**kwargs)
+
+    def add_argument(self, *names, **kwargs):
+        """argparse's, with each --flag_name also spelled --flag-name, and the other way round."""
+        spellings = list(names)
+        for name in names:
+            if not name.startswith("--"):
+                continue
+            for other in ("--" + name[2:].replace("_", "-"), "--" + name[2:].replace("-", "_")):
+                if other not in spellings:
+                    spellings.append(other)
+        return super().add_argument(*spellings, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -102,8 +116,9 @@ def add_shared_arguments(parser, init_timeout_help, profiled=True):
     and, unless the program profiles itself, --profile and --profile_steps."""
     parser.add_argument("--init_timeout", "--init-timeout", type=positive_float, default=60.0,
                         metavar="SECONDS", help=init_timeout_help)
-    parser.add_argument("--seed", type=int_at_least(0), default=1, metavar="N",
-                        help="random seed")
+    with contextlib.suppress(argparse.ArgumentError):  # the tutorial's own --seed, if it has one
+        parser.add_argument("--seed", type=int_at_least(0), default=1, metavar="N",
+                            help="random seed")
     parser.add_argument("--summary_json", "--summary-json", default=None, metavar="PATH",
                         help="write the run's figures to this JSON file at the end")
     if profiled:
@@ -135,7 +150,7 @@ def add_arguments(parser, rpc_transport="tcp", profiled=True):
 # --------- What argparse cannot check --------------------
 
 def check_args(parser, args, worker_name, computes=None, loops=None, summary=None,
-               per_rank=()):
+               per_rank=(), min_world_size=2):
     """Check what argparse cannot, before any rank starts: bad input ends the command in one
     line, status 2. Under torchrun (RANK and WORLD_SIZE set, no --rank), take its rank and world
     size. Then record in args.harness (a Plan) what the harness needs in every rank:
@@ -145,12 +160,28 @@ def check_args(parser, args, worker_name, computes=None, loops=None, summary=Non
     (the others get one thread); loops(rank, world_size): whether the rank calls profile_step()
     (None: the program profiles itself); summary(args, reports) -> (figures, line): the run's
     summary, which rank 0 writes at the end; per_rank: the program's flags that may differ
-    between ranks (paths of a rank's own machine)."""
+    between ranks (paths of a rank's own machine). The tutorial's own flags are checked here
+    too, whose types argparse takes from the tutorial (`type=int`): --world_size, at least
+    min_world_size; --rank; --master_port, a port number."""
     args.torchrun = args.rank is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
     omp_num_threads(parser)
-    if args.torchrun:
+    if args.torchrun:  # its agent's rank, world and store, as env:// takes them
         args.rank = int(os.environ["RANK"])
         args.world_size = _torchrun_world_size(parser, os.environ["WORLD_SIZE"])
+        args.master_addr = os.environ.get("MASTER_ADDR", args.master_addr)
+        args.master_port = type(args.master_port)(os.environ.get("MASTER_PORT",
+                                                                 args.master_port))
+    if args.world_size < min_world_size:
+        what = (f"torchrun started {args.world_size} processes: the world size" if args.torchrun
+                else "argument --world_size:")
+        parser.error(f"{what} must be at least {min_world_size}, got {args.world_size}")
+    if args.rank is not None and args.rank < 0:
+        parser.error(f"argument --rank: must be at least 0, got {args.rank}")
+    try:
+        port_number(str(args.master_port))
+    except (ValueError, argparse.ArgumentTypeError):
+        parser.error(f"argument --master_port: must be a port number from 1 to 65535, got "
+                     f"{args.master_port}")
     if args.rank is not None and args.rank >= args.world_size:
         parser.error(f"--rank {args.rank} is outside a world of {args.world_size} "
                      f"(ranks 0 to {args.world_size - 1})")
@@ -175,13 +206,10 @@ def check_args(parser, args, worker_name, computes=None, loops=None, summary=Non
 
 
 def _torchrun_world_size(parser, text):
-    """torchrun's WORLD_SIZE, held to what --world_size accepts."""
-    world_size_type = next(action.type for action in parser._actions
-                           if action.dest == "world_size")
-    try:
-        return world_size_type(text)
-    except argparse.ArgumentTypeError as err:
-        parser.error(f"torchrun started {text} processes: the world size {err}")
+    """torchrun's WORLD_SIZE, a number."""
+    if not text.strip().isdigit():
+        parser.error(f"torchrun's WORLD_SIZE is {text}, not a number of processes")
+    return int(text)
 
 
 def _check_address(parser, args):
@@ -195,7 +223,7 @@ def _check_address(parser, args):
     if args.torchrun or args.rank not in (None, 0):
         return
     try:
-        listen(args.master_addr, args.master_port).close()
+        listen(args.master_addr, int(args.master_port)).close()
     except OSError as err:
         parser.error(f"cannot listen on {args.master_addr}:{args.master_port} "
                      f"({os.strerror(err.errno)}); if another run uses the port, choose another "

@@ -103,7 +103,8 @@ class Rank:
     def start(self):
         """Set the rank up, on its main thread (docs/harness.md lists what it changes): the loop,
         with signals down the wake pipe; SIGTERM when the command that started it dies (mp.spawn
-        asks for SIGINT itself); its share of the cores; whole lines; two warnings left out."""
+        asks for SIGINT itself); torch's seed, --seed; its share of the cores; whole lines; two
+        warnings left out."""
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_write, False)
         self.selector.register(self.wake_read, selectors.EVENT_READ, self._on_wake)
@@ -114,6 +115,7 @@ class Rank:
         parent = multiprocessing.parent_process()
         if not self.args.harness.spawn_all and parent is not None:
             signal_when_the_parent_dies(signal.SIGTERM, parent.pid)
+        torch.manual_seed(self.args.seed)
         if not os.environ.get("OMP_NUM_THREADS"):
             torch.set_num_threads(self.args.harness.threads[self.rank])
         whole_lines()
@@ -350,6 +352,8 @@ def watched(function):
     @functools.wraps(function)
     def rank_process(rank, *arguments):
         global _this
+        if _this is not None:  # a function of the rank, called by another that is watched
+            return function(rank, *arguments)
         args = next(value for value in arguments if hasattr(value, "harness"))
         _this = Rank(args, rank)
         _this.start()

@@ -1,39 +1,26 @@
-"""Profiling PyTorch RPC-Based Workloads (the recipe): its code, runnable, then what works on
-today's torch. worker0 sends worker1 two builtin operators and a user-defined function under the
-profiler, as the recipe does; the recipe's output, the callee's operators in the caller's table,
-no longer appears, so every rank then profiles itself and rank 0 merges the traces into one
-timeline (with rpc_harness's merge). README.md says what differs and why. rpc_harness, this
-project's package, bounds every wait and ends every rank in one line when one fails; each of its
-names is explained where main.py first uses it.
+"""Profiling PyTorch RPC-Based Workloads, the recipe: its code, in its order. worker0 sends
+worker1 two builtin operators and a user-defined function under the profiler, and prints the
+profiles. Today's torch no longer shows the callee's operators in the caller's table, so every
+rank then profiles itself, and worker0 merges the traces into one timeline (extras.py).
+
+Each line that is not the recipe's ends with "# ours:" and why. README.md says what differs.
 
     python main.py                                          # every rank on this machine
     python main.py --rank 1                                 # one rank per terminal
 """
 
-import json
-import logging
-import os
-import socket
-import sys
-import threading
-import time
-
 import torch
-import torch.autograd.profiler as profiler
 import torch.distributed.rpc as rpc
+import torch.autograd.profiler as profiler
 import torch.multiprocessing as mp
+import os
+import logging
+import sys
+import time  # ours: udf_with_ops's, at the top (the recipe imports it inside)
 
-try:
-    import rpc_harness
-except ModuleNotFoundError:
-    raise SystemExit("rpc_harness, this project's package, is missing: install it with "
-                     "`pip install -e PATH`, PATH being the repository's folder (the one that "
-                     "holds pyproject.toml), or run `make run` there") from None
-
-# rpc_harness's merge of traces into one timeline (profiling), and the profiler's options that
-# record every thread where this torch can (compat: torch 2.4 records one thread only).
-from rpc_harness import profiling
-from rpc_harness.compat import profiler_options
+import rpc_harness  # ours: this project's package: `make run` installs it (or `pip install -e .`)
+from extras import parse_args, profile_every_rank, profile_until_worker0_is_done  # ours
+from extras import say_what_the_recipes_profiles_hold  # ours: what is not the recipe (extras.py)
 
 logging.basicConfig(stream=sys.stdout, level=logging.DEBUG)
 logger = logging.getLogger()
@@ -50,24 +37,18 @@ def udf_with_ops():
     torch.mul(t1, t2)
 
 
-@rpc_harness.watched  # not in the recipe: one line when this rank ends early
-def worker(rank, world_size, args):
-    os.environ["MASTER_ADDR"] = args.master_addr
-    os.environ["MASTER_PORT"] = str(args.master_port)
-    torch.manual_seed(args.seed)  # not in the recipe: random_tensor()'s values, repeatable
+@rpc_harness.watched  # ours: this rank ends in one line if it fails or loses a peer
+def worker(rank, world_size, args):  # ours: args
+    os.environ["MASTER_ADDR"] = args.master_addr  # ours: --master_addr, not "localhost"
+    os.environ["MASTER_PORT"] = str(args.master_port)  # ours: --master_port, not "29500"
     worker_name = f"worker{rank}"
 
-    # Initialize RPC framework.
-    # rpc_harness.options(args): TensorPipe's options, meeting through rpc_harness, which joins the
-    # ranks where MASTER_ADDR and MASTER_PORT say (as the default env:// would), with bounded waits.
-    # The join installs in this rank the harness's loop (Ctrl-C, SIGTERM, the watch over the other
-    # ranks, which ends every rank in one line when one is lost or fails), its share of the cores
-    # and whole lines (README.md: "What the harness changes").
+    # RPC, with the harness's options: the ranks meet through it, and every wait has a bound
     rpc.init_rpc(
         name=worker_name,
         rank=rank,
-        world_size=world_size,
-        rpc_backend_options=rpc_harness.options(args)
+        world_size=world_size,  # ours: a comma, as an argument follows
+        rpc_backend_options=rpc_harness.options(args)  # ours: (above)
     )
     logger.debug(f"{worker_name} successfully initialized RPC.")
 
@@ -75,11 +56,11 @@ def worker(rank, world_size, args):
         dst_worker_rank = (rank + 1) % world_size
         dst_worker_name = f"worker{dst_worker_rank}"
         t1, t2 = random_tensor(), random_tensor()
-        # Send and wait RPC completion under profiling scope.
+        # the two RPCs, sent and awaited under the profiler
         with profiler.profile() as prof:
             fut1 = rpc.rpc_async(dst_worker_name, torch.add, args=(t1, t2))
             fut2 = rpc.rpc_async(dst_worker_name, torch.mul, args=(t1, t2))
-            # RPCs must be awaited within profiling scope.
+            # awaited inside the profiler's scope, or it would not see them end
             fut1.wait()
             fut2.wait()
         print(prof.key_averages().table())
@@ -89,245 +70,31 @@ def worker(rank, world_size, args):
             fut.wait()
         print(p.key_averages().table())
 
-        # the recipe's "/tmp/trace.json" is in --profile DIR
-        trace_file = os.path.join(args.profile, "trace.json")
+        trace_file = os.path.join(args.profile, "trace.json")  # ours: in --profile, not /tmp
         prof.export_chrome_trace(trace_file)
         logger.debug(f"Wrote trace to {trace_file}")
 
-        recipe = say_what_the_recipes_profiles_hold(prof, p, dst_worker_name)
-        profile_every_rank(worker_name, dst_worker_name, t1, t2, world_size, args)
-        # Not in the recipe: the figures for the run's summary, which rank 0 writes at the end.
-        rpc_harness.report(recipe=recipe)
-    else:
-        profile_until_worker0_is_done(worker_name, args)
+        recipe = say_what_the_recipes_profiles_hold(prof, p, dst_worker_name)  # ours: below
+        profile_every_rank(worker_name, dst_worker_name, t1, t2, world_size, args,  # ours:
+                           udf_with_ops)  # ours: every rank profiled, one timeline (extras.py)
+        rpc_harness.report(recipe=recipe)  # ours: the summary's figures
+    else:  # ours: (above)
+        profile_until_worker0_is_done(worker_name, args)  # ours: (above)
 
     logger.debug(f"Rank {rank} waiting for workers and shutting down RPC")
     rpc.shutdown()
     logger.debug(f"Rank {rank} shutdown RPC")
 
 
-# --------- Not in the tutorial: every rank profiled, one timeline --------------------
-#
-# worker0 waits until every other rank's profiler runs, sends worker1 the recipe's RPCs again
-# under a profiler of its own, and tells the others to stop; each writes its trace and reports
-# it (rpc_harness.report), so that worker0 can merge them at the end even when the ranks run on
-# machines that share no folder.
-
-PROFILER_OPTIONS, ALL_THREADS = profiler_options()
-profiler_running = threading.Event()  # set on a rank other than 0 while its profiler runs
-stop_profiling = threading.Event()  # set by worker0 when it is done
-
-
-def say_what_the_recipes_profiles_hold(prof, p, dst_worker_name):
-    """The recipe's tables list the callee's operators (Node ID 1); say what they hold here."""
-    events = list(prof.function_events) + list(p.function_events)
-    remote = [event for event in events if getattr(event, "node_id", -1) not in (-1, 0)]
-    print(f"The recipe's two profiles hold {len(events)} events, {len(remote)} of them run on "
-          f"{dst_worker_name} (torch {torch.__version__}: the profiler records the caller only; "
-          "torch 1.6, the recipe's, showed the callee's operators as remote_op rows).")
-    return {"events": len(events), "remote_events": len(remote)}
-
-
-def wait_until_profiling(seconds):
-    if not profiler_running.wait(seconds):
-        raise RuntimeError(f"{rpc.get_worker_info().name}'s profiler did not start")
-
-
-def stop():
-    stop_profiling.set()
-
-
-def profile_every_rank(worker_name, dst_worker_name, t1, t2, world_size, args):
-    others = [f"worker{rank}" for rank in range(1, world_size)]
-    for other in others:
-        rpc.rpc_sync(other, wait_until_profiling, args=(args.rpc_timeout,))
-    print(f"Now every rank profiles itself{'' if ALL_THREADS else ' (main thread only)'}: "
-          f"the same RPCs again, each inside a span named as the recipe's table row")
-    with torch.profiler.profile(**PROFILER_OPTIONS) as prof:
-        with torch.profiler.record_function(f"rpc_async#aten::add({worker_name} -> "
-                                            f"{dst_worker_name})"):
-            fut1 = rpc.rpc_async(dst_worker_name, torch.add, args=(t1, t2))
-            fut1.wait()
-        with torch.profiler.record_function(f"rpc_async#aten::mul({worker_name} -> "
-                                            f"{dst_worker_name})"):
-            fut2 = rpc.rpc_async(dst_worker_name, torch.mul, args=(t1, t2))
-            fut2.wait()
-        with torch.profiler.record_function(f"rpc_async#udf_with_ops({worker_name} -> "
-                                            f"{dst_worker_name})"):
-            rpc.rpc_async(dst_worker_name, udf_with_ops).wait()
-    for other in others:
-        rpc.rpc_sync(other, stop)
-    finish_profile(prof, worker_name, args)
-    rpc_harness.report(clocks={other: clock_offset(other) for other in others})
-
-
-def profile_until_worker0_is_done(worker_name, args):
-    with torch.profiler.profile(**PROFILER_OPTIONS) as prof:
-        profiler_running.set()
-        stop_profiling.wait(args.rpc_timeout)
-    finish_profile(prof, worker_name, args)
-
-
-def clock():
-    return socket.gethostname(), time.time_ns()
-
-
-def clock_offset(other):
-    """How far this rank's clock is ahead of other's, in ns (0 on one machine: one clock), and
-    how far off that may be: half the best of five round trips."""
-    samples = []
-    for _ in range(5):
-        before = time.time_ns()
-        host, theirs = rpc.rpc_sync(other, clock)
-        after = time.time_ns()
-        samples.append((after - before, (before + after) // 2 - theirs))
-    if host == socket.gethostname():
-        return 0, 0
-    round_trip, offset = min(samples)
-    return offset, max(1, round_trip // 2)
-
-
-def finish_profile(prof, worker_name, args):
-    """Write this rank's trace, print its top operators, and report the trace to worker0."""
-    path = os.path.join(args.profile, f"{worker_name}.json")
-    prof.export_chrome_trace(path)
-    with open(path) as file:
-        text = file.read()
-    print(f"{worker_name}: Wrote trace to {path} ({len(text) / 1024:.0f} kB)")
-    missing = ("" if ALL_THREADS or worker_name == "worker0" else
-               f"; torch {torch.__version__} records the main thread only, which misses the "
-               "operators that RPCs run on TensorPipe's threads")
-    # one print: the ranks share the terminal, and a table in pieces would mix with another's
-    print(f"{worker_name}: top operators (self CPU time){missing}\n"
-          + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=6))
-    rpc_harness.report(trace=text)
-
-
-def write_timeline(args, profiled):
-    """At the end, on worker0: merge every rank's trace (in rank order) into --profile's
-    timeline.json; the summary."""
-    clocks = profiled["worker0"]["clocks"]
-    for name, (offset, error) in clocks.items():
-        if error:  # offset: how far worker0's clock is ahead of theirs
-            print(f"{name}'s clock is {-offset / 1e6:+.3f} ms from worker0's (measured over "
-                  f"RPC, within {error / 1e6:.3f} ms); its events are moved by that much")
-    traces = {name: {**json.loads(profiled[name]["trace"]),
-                     "clockOffsetNs": -clocks.get(name, (0, 0))[0]}
-              for name in sorted(profiled, key=rank_of)}
-    wrote = profiling.save_timeline(args.profile, traces)
-    print(wrote[0].upper() + wrote[1:])
-    path = os.path.join(args.profile, profiling.TIMELINE)
-    recipe = profiled["worker0"]["recipe"]
-    on_worker1 = [event["name"] for event in traces["worker1"]["traceEvents"]
-                  if event.get("ph") == "X" and event["name"].startswith("aten::")]
-    return (
-        {"example": "rpc_profiling", "torch": torch.__version__, "all_threads": ALL_THREADS,
-         "recipe_events": recipe["events"], "recipe_remote_events": recipe["remote_events"],
-         "worker1_operators": len(on_worker1), "timeline": path,
-         "trace_bytes": {name: len(profiled[name]["trace"]) for name in traces}},
-        f"the recipe's profiles: {recipe['events']} events, {recipe['remote_events']} of "
-        f"worker1; worker1's own profile: {len(on_worker1)} operators; a timeline of "
-        f"{len(traces)} ranks")
-
-
-# --------- Not in the tutorial: names, the threads --------------------
-
-def rank_of(name):
-    """The rank of a worker's name: worker1 -> 1."""
-    return int(name.removeprefix("worker"))
-
-
-def worker_name(rank, world_size):
-    """Each rank's name in RPC, as the recipe names them, which the harness's messages use too."""
-    return f"worker{rank}"
-
-
-def computes_nothing(rank, world_size):
-    """No rank does heavy computing: 3 x 3 tensors need no more than one thread each."""
-    return False
-
-
-# --------- The recipe's __main__ --------------------
-
-def parse_args(argv=None):
-    """The command line (the recipe has none: its world size, address and port as flags), with
-    this example's --profile and this project's flags, checked: bad input ends the command here
-    in one line, status 2."""
-    # rpc_harness.ArgumentParser: argparse's, with every default in --help and errors in one
-    # line (status 2). rpc_harness.int_at_least(N) and port_number: argument types that refuse
-    # what a plain int would let through.
-    parser = rpc_harness.ArgumentParser(description=(
-        "Profiling RPC: worker0 sends worker1 two operators and a function under the "
-        "profiler, as the recipe does, then every rank profiles itself and worker0 writes one "
-        "timeline of them all."))
-    parser.add_argument(
-        "--world_size", "--world-size",
-        type=rpc_harness.int_at_least(2),
-        default=2,
-        metavar="N",
-        help="total number of processes: worker0 (sends the RPCs), worker1 (runs them), "
-             "others idle")
-    parser.add_argument(
-        "--rank",
-        type=rpc_harness.int_at_least(0),
-        default=None,
-        metavar="R",
-        help="rank of this process. Without it, every rank starts here (or torchrun's RANK)")
-    parser.add_argument(
-        "--master_addr", "--master-addr",
-        default=os.environ.get("MASTER_ADDR", "localhost"),
-        metavar="ADDR",
-        help="address of worker0 (rank 0), or $MASTER_ADDR; other than localhost, on a trusted "
-             "network only")
-    parser.add_argument(
-        "--master_port", "--master-port",
-        type=rpc_harness.port_number,
-        default=os.environ.get("MASTER_PORT", "29500"),
-        metavar="PORT",
-        help="port where the ranks meet, on worker0's address, or $MASTER_PORT")
-    # Not in the recipe: the folder of its trace (its /tmp/trace.json) and of every rank's; then
-    # the flags that every example of this project has (timeouts, --seed, --summary_json), but
-    # the harness's --profile: this example profiles itself.
-    parser.add_argument(
-        "--profile", default="traces", metavar="DIR",
-        help="folder for the traces: the recipe's trace.json, one per rank (worker0.json, ...) "
-             "and worker0's timeline.json of them all; made if missing")
-    rpc_harness.add_arguments(parser, rpc_transport="auto", profiled=False)
-    args = parser.parse_args(argv)
-    # rpc_harness.check_args: the world, the rank, the address and port; torchrun's RANK and
-    # WORLD_SIZE stand for --rank and --world_size; and args.harness records what rpc_harness
-    # needs in every rank (README: "What the harness changes"). loops=None: no rank calls
-    # profile_step(), the recipe's profilers are its own. Then --profile's folder.
-    rpc_harness.check_args(parser, args, worker_name, computes=computes_nothing, loops=None,
-                           summary=write_timeline, per_rank=["profile"])
-    rpc_harness.check_folder(parser, "--profile", args.profile)
-    return args
-
-
 if __name__ == '__main__':
-    args = parse_args()
-    # Not in the recipe: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
-    # command stops the ranks it started and says why in one line.
-    rpc_harness.supervise(args)
-    # spawn, mp.spawn's start method: the rank that --rank names runs as it would under
-    # mp.spawn, in a fresh interpreter, not in a fork of this one (unsafe once torch has
-    # started threads)
-    mp.set_start_method("spawn")
-
-    processes = []
-    # Run 2 RPC workers (--world_size).
-    world_size = args.world_size
-    if args.rank is None:
-        mp.spawn(worker, args=(world_size, args), nprocs=world_size, join=True)
-    else:
-        # Not in the recipe: the one rank that --rank (or torchrun) names, in a process of its
-        # own, as the parameter-server tutorial starts its ranks.
-        p = mp.Process(target=worker, args=(args.rank, world_size, args))
-        p.start()
-        processes.append(p)
-
-        for p in processes:
-            p.join()
-        # Not in the recipe: the rank's exit status is the command's; rpc_harness.exit_status
-        # says, in one line, when a signal killed the rank (which then could not say it).
-        sys.exit(rpc_harness.exit_status(p))
+    args = parse_args()  # ours: the world size, address, port and --profile (extras.py)
+    rpc_harness.supervise(args)  # ours: this command ends in one line when a rank fails
+    mp.set_start_method("spawn")  # ours: --rank's process starts afresh, as mp.spawn's
+    # the recipe's two workers, or --world_size
+    world_size = args.world_size  # ours: --world_size, the recipe's 2 by default
+    if args.rank is not None:  # ours: one rank (--rank, or torchrun's), as the other tutorials
+        p = mp.Process(target=worker, args=(args.rank, world_size, args))  # ours
+        p.start()  # ours: (above)
+        p.join()  # ours: (above)
+        sys.exit(rpc_harness.exit_status(p))  # ours: the rank's status, with its line
+    mp.spawn(worker, args=(world_size, args), nprocs=world_size, join=True)  # ours: args, join

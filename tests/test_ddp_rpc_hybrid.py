@@ -12,7 +12,8 @@ from conftest import (
     run_example,
 )
 
-hybrid = load_example("ddp_rpc_hybrid")
+hybrid = load_example("ddp_rpc_hybrid")  # main.py: the tutorial's 2020 revision
+extras = load_example("ddp_rpc_hybrid", "extras")  # what main.py and remote_module.py add
 
 
 # --------- Pure logic, in-process --------------------
@@ -27,7 +28,7 @@ hybrid = load_example("ddp_rpc_hybrid")
     (2, 3, 8, ("nccl", "cuda:2")),
 ])
 def test_backend_and_device_follow_the_tutorial(trainer_rank, num_trainers, gpu_count, expected):
-    backend, device = hybrid.choose_backend_and_device(trainer_rank, num_trainers, gpu_count)
+    backend, device = extras.choose_backend_and_device(trainer_rank, num_trainers, gpu_count)
     assert (backend, str(device)) == expected
 
 
@@ -37,11 +38,13 @@ def test_backend_and_device_follow_the_tutorial(trainer_rank, num_trainers, gpu_
     (6, ["trainer0", "trainer1", "trainer2", "trainer3", "master", "ps"]),
 ])
 def test_ranks_are_trainers_then_master_then_ps(world_size, names):
-    assert [hybrid.worker_name(rank, world_size) for rank in range(world_size)] == names
+    assert [extras.worker_name(rank, world_size) for rank in range(world_size)] == names
 
 
 def test_batches_are_bags_whose_indices_all_belong_to_the_target_class():
-    batches = list(hybrid.get_next_batch(random.Random(0), 50, torch.device("cpu")))
+    # Without num_embeddings, as bench/baselines.py draws them: the table of main.py's size.
+    assert extras.TABLE_ROWS == hybrid.NUM_EMBEDDINGS
+    batches = list(extras.get_next_batch(random.Random(0), 50, torch.device("cpu")))
     assert len(batches) == 50
     for indices, offsets, target in batches:
         assert indices.dtype == offsets.dtype == target.dtype == torch.int64
@@ -50,22 +53,28 @@ def test_batches_are_bags_whose_indices_all_belong_to_the_target_class():
         bag_sizes = torch.diff(offsets, append=torch.tensor([len(indices)]))
         assert bag_sizes.min() >= 1 and bag_sizes.max() <= 10
         assert indices.min() >= 0 and indices.max() < hybrid.NUM_EMBEDDINGS
-        assert torch.equal(indices % hybrid.NUM_CLASSES, target.repeat_interleave(bag_sizes))
+        assert torch.equal(indices % extras.NUM_CLASSES, target.repeat_interleave(bag_sizes))
     every_index = torch.cat([indices for indices, _, _ in batches])
     every_target = torch.cat([target for _, _, target in batches])
     assert every_index.unique().numel() == hybrid.NUM_EMBEDDINGS  # the whole table is used
-    assert every_target.unique().numel() == hybrid.NUM_CLASSES
+    assert every_target.unique().numel() == extras.NUM_CLASSES
 
 
 def test_batches_depend_on_the_seed_only():
     def draw(seed):
         return [torch.cat(batch) for batch in
-                hybrid.get_next_batch(random.Random(seed), 5, torch.device("cpu"))]
+                extras.get_next_batch(random.Random(seed), 5, torch.device("cpu"))]
 
     same, again, other = draw(7), draw(7), draw(8)
     assert all(torch.equal(a, b) for a, b in zip(same, again, strict=True))
     assert not all(a.shape == b.shape and torch.equal(a, b)
                    for a, b in zip(same, other, strict=True))
+
+
+def test_main_py_keeps_the_names_that_bench_reads():
+    """bench/baselines.py draws the batches and sizes the dense layer through main.py."""
+    assert hybrid.get_next_batch is extras.get_next_batch
+    assert hybrid.NUM_CLASSES == extras.NUM_CLASSES == 8
 
 
 @pytest.fixture
@@ -83,11 +92,11 @@ def test_the_targets_can_be_learned_by_the_model_s_two_halves(one_thread):
     loss falls to well under half of where it starts."""
     torch.manual_seed(0)
     table = torch.nn.EmbeddingBag(hybrid.NUM_EMBEDDINGS, hybrid.EMBEDDING_DIM, mode="sum")
-    dense = torch.nn.Linear(hybrid.EMBEDDING_DIM, hybrid.NUM_CLASSES)
+    dense = torch.nn.Linear(hybrid.EMBEDDING_DIM, extras.NUM_CLASSES)
     opt = torch.optim.SGD([*table.parameters(), *dense.parameters()], lr=0.05)  # the trainers'
 
     losses = []
-    for indices, offsets, target in hybrid.get_next_batch(random.Random(0), 200,
+    for indices, offsets, target in extras.get_next_batch(random.Random(0), 200,
                                                          torch.device("cpu")):
         loss = torch.nn.functional.cross_entropy(dense(table(indices, offsets)), target)
         opt.zero_grad()
@@ -141,7 +150,7 @@ def test_hyphenated_flags_and_torchrun_environment(monkeypatch):
     args = hybrid.parse_args(["--batches-per-epoch", "4", "--world-size", "9"])
     assert (args.rank, args.world_size, args.master_port, args.batches_per_epoch) == (3, 5,
                                                                                       29999, 4)
-    assert args.torchrun and hybrid.worker_name(3, args.world_size) == "master"
+    assert args.torchrun and extras.worker_name(3, args.world_size) == "master"
 
 
 def test_help_shows_every_default(capsys):

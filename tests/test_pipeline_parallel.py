@@ -43,9 +43,10 @@ def pipeline_world(rpc_world):
 
 def test_micro_batches_give_the_model_of_the_whole_batch(pipeline_world):
     """With batch norm in eval mode (running statistics, not the micro-batch's), cutting a batch
-    of 5 into 1, 2 or 5 micro-batches gives the same outputs, in the batch's order."""
+    of 5 into 1, 2 or 5 micro-batches (of at most 5, 3 or 1 images: run_master passes the size
+    that makes --num_split of them) gives the same outputs, in the batch's order."""
     torch.manual_seed(0)
-    model = pipeline.DistResNet50(1, [pipeline_world, pipeline_world])
+    model = pipeline.DistResNet50(5, [pipeline_world, pipeline_world])
     shards = [model.p1_rref.local_value(), model.p2_rref.local_value()]
     for shard in shards:
         shard.eval()
@@ -53,8 +54,8 @@ def test_micro_batches_give_the_model_of_the_whole_batch(pipeline_world):
     with torch.no_grad():
         whole = model(images)
         assert whole.shape == (5, pipeline.num_classes)
-        for num_split in (2, 5):
-            model.num_split = num_split
+        for split_size in (3, 1):
+            model.split_size = split_size
             assert torch.allclose(model(images), whole, atol=1e-5)
     # every parameter of both shards, for DistributedOptimizer
     assert [rref.to_here() for rref in model.parameter_rrefs()] == [
