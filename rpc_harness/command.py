@@ -10,7 +10,8 @@ How a failure travels from its cause to each terminal's last line:
    (rendezvous.py). Each calls Rank.end, which writes the rank's record (ending.write_record:
    its rank, name, time, line and status, in the folder that supervise() made), tells the
    peers, closes its connections and exits: 1 for a failure, 2 for bad input, 128 + N for
-   signal N. A rank killed by a signal writes nothing.
+   signal N. A rank killed by a signal writes nothing. A rank whose command died gets SIGHUP
+   (_on_signal): it removes the folder, which nobody will read, and ends without a record.
 2. Its command learns that the rank ended. Under mp.spawn, mp.spawn stops the other ranks
    (SIGTERM) and raises in the command: excepthook. Under mp.Process, p.join() returns:
    exit_status. Ctrl-C or SIGTERM to the command itself: on_signal, which passes the signal

@@ -47,8 +47,6 @@ HEARTBEAT_SECONDS = 1.0
 BYE_SECONDS = 10.0
 # How long a rank whose function failed waits for a lost peer to show itself as the cause.
 CAUSE_SECONDS = 2 * HEARTBEAT_SECONDS
-# How long a rank that gets a signal waits to see whether its command is ending too.
-PARENT_SECONDS = 0.3
 # A turn of the loop this much later than its timeout: the process was stopped (SIGSTOP, a
 # suspended laptop), and the peers' silence meanwhile is its own.
 STOPPED_SECONDS = 2 * HEARTBEAT_SECONDS
@@ -57,6 +55,8 @@ STOPPED_SECONDS = 2 * HEARTBEAT_SECONDS
 # that it sees end, which must be a killed peer, not this rank that lost it.
 LINGER_SECONDS = 0.25
 LINGER_UNDER_MP_SPAWN_SECONDS = 1.0
+# Ctrl-C, SIGTERM, and the signal that says that the command has died.
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 _this = None  # this process's Rank
 
@@ -102,19 +102,22 @@ class Rank:
 
     def start(self):
         """Set the rank up, on its main thread (docs/harness.md lists what it changes): the loop,
-        with signals down the wake pipe; SIGTERM when the command that started it dies (mp.spawn
-        asks for SIGINT itself); torch's seed, --seed; its share of the cores; whole lines; two
+        with signals down the wake pipe; SIGHUP when the command that started it dies (in place
+        of mp.spawn's SIGINT); torch's seed, --seed; its share of the cores; whole lines; two
         warnings left out."""
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_write, False)
         self.selector.register(self.wake_read, selectors.EVENT_READ, self._on_wake)
         signal.set_wakeup_fd(self.wake_write)
-        for number in (signal.SIGINT, signal.SIGTERM):  # the C handler writes to the pipe
+        for number in SIGNALS:  # the C handler writes their numbers to the pipe
             signal.signal(number, lambda number, frame: None)
         threading.Thread(target=self._loop, daemon=True, name="rpc_harness loop").start()
         parent = multiprocessing.parent_process()
-        if not self.args.harness.spawn_all and parent is not None:
-            signal_when_the_parent_dies(signal.SIGTERM, parent.pid)
+        if parent is not None:
+            # A signal of its own, not the SIGINT or SIGTERM that the command passes on: Linux
+            # sends it as the command's main thread ends, before the command's other threads
+            # are gone, so that nothing else can tell the rank yet that its command has died.
+            signal_when_the_parent_dies(signal.SIGHUP, parent.pid)
         torch.manual_seed(self.args.seed)
         if not os.environ.get("OMP_NUM_THREADS"):
             torch.set_num_threads(self.args.harness.threads[self.rank])
@@ -208,25 +211,20 @@ class Rank:
 
     def _on_wake(self, pipe):
         for byte in os.read(pipe, 512):
-            if byte in (signal.SIGINT, signal.SIGTERM):
+            if byte in SIGNALS:
                 self._on_signal(byte)
         while not self.requests.empty():
             kind, payload = self.requests.get()
             getattr(self, f"_on_{kind}")(payload)
 
     def _on_signal(self, number):
-        """Ctrl-C or SIGTERM: the rank ends at once, with 128 + the signal's number. Where the
-        command that started the rank has gone (the signal is the death signal that the rank
-        asked for, or mp.spawn's), nobody reads the rank's record: it removes the command's
-        folder instead."""
-        ending.claim()
-        ending.quiet()
-        parent = multiprocessing.parent_process()
-        if parent is not None:
-            parent.join(PARENT_SECONDS)  # at once if it has ended
-            if not parent.is_alive():
-                shutil.rmtree(self.args.harness.records, ignore_errors=True)
-                self.end(None, 128 + number)
+        """Ctrl-C or SIGTERM: the rank ends at once, with 128 + the signal's number. SIGHUP: the
+        command that started the rank has died (or its terminal has closed), so nobody reads
+        the rank's record: the rank removes the command's folder instead, and ends silently."""
+        if number == signal.SIGHUP:
+            ending.claim()
+            shutil.rmtree(self.args.harness.records, ignore_errors=True)
+            self.end(None, 128 + number)
         suffix = "" if number == signal.SIGINT else " (SIGTERM)"
         self.end(f"{self.name}: interrupted{suffix}", 128 + number)
 
