@@ -46,27 +46,29 @@ def param_server(batches):
 
 def rl_cartpole(episodes, environments):
     """The agent's policy and training, on `environments` CartPole environments stepped in this
-    process: one forward pass a step for all the environments still playing (as --batch does;
-    with one environment, as the tutorial does), one update an episode, its loss built as
-    --batch builds it (with one environment, the tutorial's sum from fewer autograd nodes).
-    Seeded as rl_cartpole seeds agent and observers, so one environment plays the same episodes
-    as a run with one observer. One thread, as the agent. Environment steps per second."""
+    process: one forward pass a step for all the environments still playing (as batch.py and
+    actors.py do; with one environment, as the tutorial does), one update an episode, its loss
+    built as batch.py builds it (with one environment, the tutorial's sum from fewer autograd
+    nodes). Seeded as rl_cartpole seeds agent and observers (--seed's default), so one
+    environment plays the same episodes as a run with one observer. One thread, as the agent.
+    Environment steps per second."""
     import gymnasium as gym
 
     rl, rl_batch = load_example("rl_cartpole"), load_example("rl_cartpole", "batch")
     torch.set_num_threads(1)
-    torch.manual_seed(1)
+    seed = rl.parser.get_default("seed")
+    torch.manual_seed(seed)
     policy = rl.Policy()
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
     eps = np.finfo(np.float32).eps.item()
     envs = [gym.make("CartPole-v1") for _ in range(environments)]
-    seeds = [1 + rank for rank in range(1, environments + 1)]  # seed + observer rank
+    seeds = [seed + rank for rank in range(1, environments + 1)]  # seed + observer rank
     steps, started = 0, time.perf_counter()
     for _ in range(episodes):
         states = {i: env.reset(seed=seeds[i])[0] for i, env in enumerate(envs)}
         seeds = [None] * environments
         rewards = {i: [] for i in states}
-        passes = []  # (environments, log-probabilities) of every forward pass, as --batch keeps
+        passes = []  # (environments, log-probabilities) of every forward pass, as batch.py keeps
         for _ in range(rl.TOTAL_EPISODE_STEP):
             playing = sorted(states)
             batch = torch.from_numpy(np.stack([states[i] for i in playing])).float()

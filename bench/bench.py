@@ -201,7 +201,8 @@ def param_server_before_profile(folder):
     which is all that --profile adds to a run without it."""
     return param_server_without(
         folder, "param_server_before_profile", "main.py",
-        " " * 12 + "rpc_harness.profile_step()\n")
+        " " * 8 + "rpc_harness.profile_step()  # ours: --profile's window; nothing without "
+        "--profile\n")
 
 
 def ps_batches(quick):
@@ -221,17 +222,41 @@ MONARCH = "Monarch (actors.py)"
 ONE_BATCH = "1 trainer, batch.py"
 ONE_MONARCH = f"1 trainer, {MONARCH}"
 THREE_MONARCH = f"3 trainers, {MONARCH}"
-# The Monarch programs as they were before they were written as Monarch's users write actors
-# (the commit before: plain endpoints that block on get(), two calls a CartPole step), run from
-# that commit's tree: the "before" of each lever.
-MONARCH_BEFORE_COMMIT = "917de55"
-MONARCH_BEFORE = "Monarch before: plain endpoints, blocking get()"
-ONE_MONARCH_BEFORE = f"1 trainer, {MONARCH_BEFORE}"
-THREE_MONARCH_BEFORE = f"3 trainers, {MONARCH_BEFORE}"
-# rl_cartpole/actors.py's levers: every reward a call (async endpoints, rewards not one-way),
-# and --batch (batch.py's agent: one forward pass, one call a step).
-MONARCH_EVERY_REWARD_A_CALL = "Monarch, async endpoints, every reward a call"
-MONARCH_BATCH = "Monarch (actors.py --batch)"
+# The Monarch programs as they were before they were written around calls to whole meshes (the
+# commit before: each trainer calls the server, and each observer the agent, as in the RPC
+# programs), run from that commit's tree: the "before" of each lever.
+MONARCH_BEFORE_COMMIT = "8365101"
+ONE_MONARCH_BEFORE = "1 trainer, Monarch before: each trainer calls the server"
+THREE_MONARCH_BEFORE = "3 trainers, Monarch before: each trainer calls the server"
+MONARCH_BEFORE = "Monarch before: each observer calls the agent"
+MONARCH_BEFORE_BATCH = "Monarch before, --batch: one forward pass, each observer calls"
+# param_server/actors.py's first lever alone: one call to the trainers' mesh a model version,
+# with the weights and gradients as tensors, which Monarch pickles through torch.save (a copy
+# whose as_message() leaves out .numpy()).
+ONE_MONARCH_MESH_TENSORS = "1 trainer, Monarch, one mesh call a version, tensors"
+THREE_MONARCH_MESH_TENSORS = "3 trainers, Monarch, one mesh call a version, tensors"
+# The messages of each program: a model version (param_server, T trainers) or an environment
+# step (rl_cartpole, N observers), counted in the code; MONARCH-<cores>-cores.md shows them.
+PS_RPCS = "T RPCs: each trainer's gradients in, a copy of the model out"
+PS_CALLS = "T calls: each trainer's gradients in, a copy of the model out"
+PS_MESH = "1 mesh call: the model pickled once, to T trainers; T gradients back"
+MESSAGES = {
+    ONE_BATCH: PS_RPCS,
+    "3 trainers, batch.py": PS_RPCS,
+    ONE_MONARCH_BEFORE: PS_CALLS,
+    THREE_MONARCH_BEFORE: PS_CALLS,
+    ONE_MONARCH_MESH_TENSORS: PS_MESH,
+    THREE_MONARCH_MESH_TENSORS: PS_MESH,
+    ONE_MONARCH: PS_MESH + ", as numpy",
+    THREE_MONARCH: PS_MESH + ", as numpy",
+    "tutorial mode": "2N RPCs: each observer asks for an action, and reports a reward",
+    "batch.py": "N RPCs: each observer asks for an action",
+    MONARCH_BEFORE: "N calls and N one-way: each observer asks for an action, and sends a reward",
+    MONARCH_BEFORE_BATCH: "N calls: each observer asks for an action",
+    MONARCH: "1 mesh call: the actions out to N observers; N states and rewards back",
+}
+
+
 # Ray Core's synchronous parameter server (bench/ray_param_server.py), where Ray is installed.
 RAY = "Ray (its parameter-server example)"
 ONE_RAY = f"1 trainer, {RAY}"
@@ -310,7 +335,9 @@ def monarch_before(folder):
     if archive.returncode != 0:
         return None, None
     subprocess.run(["tar", "-x", "-C", tree], input=archive.stdout, check=True)
-    return tree, {"PYTHONPATH": str(tree)}
+    # Its harness first, then whatever the caller's PYTHONPATH holds (where Monarch may be).
+    search_path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
+    return tree, {"PYTHONPATH": search_path}
 
 
 def comparisons(quick, folder):
@@ -337,10 +364,14 @@ def comparisons(quick, folder):
     def before(name, *flags):
         return [PY, before_tree / name / "actors.py", "--summary_json", "{summary}", *flags]
 
-    every_reward_a_call = example_with(
-        folder, "rl_every_reward_a_call", "rl_cartpole", "actors.py",
-        "            agent.report_reward.broadcast(self.id, reward)\n",
-        "            await agent.report_reward.call_one(self.id, reward)\n") / "actors.py"
+    mesh_tensors = example_with(
+        folder, "ps_mesh_tensors", "param_server", "actors.py",
+        "    return parameters_to_vector(tensors).detach().cpu().numpy()\n",
+        "    return parameters_to_vector(tensors).detach().cpu()\n") / "actors.py"
+
+    def with_mesh_tensors(*flags):
+        return [PY, mesh_tensors, "--summary_json", "{summary}", *flags]
+
     all_comparisons = [
         Comparison("param_server", "param_server: training throughput", "samples/s", [
             Variant("one process"),
@@ -371,6 +402,10 @@ def comparisons(quick, folder):
                        ps_window, env=before_env),
                Variant(THREE_MONARCH_BEFORE, before("param_server", *three_trainers), samples,
                        ps_window, env=before_env)] if before_tree else []),
+            Variant(ONE_MONARCH_MESH_TENSORS, with_mesh_tensors(*one_trainer), samples,
+                    ps_window),
+            Variant(THREE_MONARCH_MESH_TENSORS, with_mesh_tensors(*three_trainers), samples,
+                    ps_window),
             *([Variant(ONE_RAY, ray_example(1, ps_batches(quick)), samples, RAY_WINDOW),
                Variant(THREE_RAY, ray_example(3, ps_batches(quick) // 3), samples, RAY_WINDOW)]
               if ray_installed() else []),
@@ -384,11 +419,6 @@ def comparisons(quick, folder):
                                         script="batch.py"), steps, rl_window),
             Variant(MONARCH, monarch_example("rl_cartpole", "--max_episodes", rl_episodes),
                     steps, rl_window),
-            Variant(MONARCH_BATCH, monarch_example("rl_cartpole", "--batch", "--max_episodes",
-                                                   rl_episodes), steps, rl_window),
-            Variant(MONARCH_EVERY_REWARD_A_CALL,
-                    [PY, every_reward_a_call, "--summary_json", "{summary}", "--max_episodes",
-                     rl_episodes], steps, rl_window),
             *([Variant(MONARCH_BEFORE, before("rl_cartpole", "--max_episodes", rl_episodes),
                        steps, rl_window, env=before_env)] if before_tree else []),
         ]),
@@ -403,11 +433,11 @@ def comparisons(quick, folder):
             Variant(MONARCH,
                     monarch_example("rl_cartpole", "--world_size", 5, "--max_episodes",
                                     rl_episodes_4), steps, rl_window),
-            Variant(MONARCH_BATCH,
-                    monarch_example("rl_cartpole", "--batch", "--world_size", 5,
-                                    "--max_episodes", rl_episodes_4), steps, rl_window),
             *([Variant(MONARCH_BEFORE, before("rl_cartpole", "--world_size", 5, "--max_episodes",
-                                              rl_episodes_4), steps, rl_window, env=before_env)]
+                                              rl_episodes_4), steps, rl_window, env=before_env),
+               Variant(MONARCH_BEFORE_BATCH, before("rl_cartpole", "--batch", "--world_size", 5,
+                                                    "--max_episodes", rl_episodes_4),
+                       steps, rl_window, env=before_env)]
               if before_tree else []),
         ]),
         Comparison("rnn_model_parallel", "rnn_model_parallel: iterations", "it/s", [
@@ -787,15 +817,15 @@ def measure_pipelines(repeats, quick):
 # (comparison, variants, the RPC program that the Monarch and Ray rows mirror): what
 # MONARCH-<cores>-cores.md shows.
 MONARCH_TABLES = [
-    ("param_server", ("one process", "1 trainer", ONE_BATCH, ONE_MONARCH_BEFORE, ONE_MONARCH,
-                      ONE_RAY), ONE_BATCH),
+    ("param_server", ("one process", "1 trainer", ONE_BATCH, ONE_MONARCH_BEFORE,
+                      ONE_MONARCH_MESH_TENSORS, ONE_MONARCH, ONE_RAY), ONE_BATCH),
     ("param_server", ("one process", "3 trainers", "3 trainers, batch.py", THREE_MONARCH_BEFORE,
-                      THREE_MONARCH, THREE_RAY), "3 trainers, batch.py"),
+                      THREE_MONARCH_MESH_TENSORS, THREE_MONARCH, THREE_RAY),
+     "3 trainers, batch.py"),
     ("rl_cartpole_1", ("one process, 1 environment", "tutorial mode", "batch.py",
-                       MONARCH_BEFORE, MONARCH_EVERY_REWARD_A_CALL, MONARCH, MONARCH_BATCH),
-     "tutorial mode"),
+                       MONARCH_BEFORE, MONARCH), "tutorial mode"),
     ("rl_cartpole_4", ("one process, 4 environments", "tutorial mode", "batch.py",
-                       MONARCH_BEFORE, MONARCH, MONARCH_BATCH), "batch.py"),
+                       MONARCH_BEFORE, MONARCH_BEFORE_BATCH, MONARCH), "batch.py"),
 ]
 
 
@@ -848,9 +878,11 @@ def write_monarch(all_comparisons, roundtrip, repeats, seconds, quick, alone=Fal
         comparison = by_key[key]
         title = comparison.title if key != "param_server" else (
             f"param_server, {labels[1]}: training throughput")
+        per = "a model version, T trainers" if key == "param_server" else "a step, N observers"
         lines += [f"## {title}", "",
                   f"| Program | {comparison.unit} | Ratio to one process | Ratio to "
-                  f"{mirrored.split(', ')[-1]} | Peak memory, MB |", "|---|---|---|---|---|"]
+                  f"{mirrored.split(', ')[-1]} | Messages ({per}) | Peak memory, MB |",
+                  "|---|---|---|---|---|---|"]
         base = comparison.find(labels[0]).median
         rpc = comparison.find(mirrored).median
         for label in labels:
@@ -861,7 +893,7 @@ def write_monarch(all_comparisons, roundtrip, repeats, seconds, quick, alone=Fal
             versus = f"{variant.median / rpc:.2f}" if label in labels[3:] else ""
             lines.append(f"| {label} | {variant.median:.0f} ({min(variant.values):.0f}-"
                          f"{max(variant.values):.0f}) | {variant.median / base:.2f} | {versus} | "
-                         f"{memory} |")
+                         f"{MESSAGES.get(label, '')} | {memory} |")
         lines.append("")
     lines += scaling_section(by_key["param_server"])
     lines += ["## Moving a tensor", "",
@@ -878,6 +910,8 @@ def write_monarch(all_comparisons, roundtrip, repeats, seconds, quick, alone=Fal
     ways = [("TCP ping-pong (round trip)", "tcp", 2), ("`rpc_sync` (round trip)", "rpc", 2)]
     for transport in MONARCH_TRANSPORTS:
         ways += [(f"Monarch {transport}: `call_one` (round trip)", f"monarch {transport}", 2),
+                 (f"Monarch {transport}: `call_one` of a numpy array (round trip)",
+                  f"monarch {transport} numpy", 2),
                  (f"Monarch {transport}: `broadcast` (one way)", f"monarch {transport} one-way",
                   1),
                  (f"Monarch {transport}: `RDMABuffer.read_into` (one way)",
@@ -887,20 +921,24 @@ def write_monarch(all_comparisons, roundtrip, repeats, seconds, quick, alone=Fal
         five = statistics.median(roundtrip["5 MB"][key])
         lines.append(f"| {name} | " + " | ".join(cells) +
                      f" | {directions * 5 * 1024 * 1024 / five / 1e6:.0f} |")
-    rpc_step = 2 * statistics.median(roundtrip["tiny"]["rpc"])
-    lines += ["", "A CartPole step's messages, no work in them, ms a step: the RPC programs' "
-              f"two `rpc_sync` round trips (tiny payload, above): {rpc_step * 1e3:.3f}; "
-              "rl_cartpole/actors.py's, an actor's awaited `call_one` and a `broadcast` to an "
-              "actor in another process: " + "; ".join(
-                  f"{transport} {step_ms(roundtrip, transport):.3f}"
+    rpc_call = statistics.median(roundtrip["tiny"]["rpc"])
+    lines += ["", "A CartPole step's messages, no work in them, ms a step: main.py's two "
+              f"`rpc_sync` round trips (tiny payload, above): {2 * rpc_call * 1e3:.3f}; "
+              f"batch.py's one: {rpc_call * 1e3:.3f}. rl_cartpole/actors.py before, an actor's "
+              "awaited `call_one` and a `broadcast` to an actor in another process: " + "; ".join(
+                  f"{transport} {step_ms(roundtrip, transport, 'step'):.3f}"
+                  for transport in MONARCH_TRANSPORTS) + ". Now, an actor's awaited `call` to "
+              "a mesh of one actor in another process: " + "; ".join(
+                  f"{transport} {step_ms(roundtrip, transport, 'mesh step'):.3f}"
                   for transport in MONARCH_TRANSPORTS) + "."]
     MONARCH_RESULTS.write_text("\n".join(lines) + "\n")
     write_scaling_chart(by_key["param_server"])
 
 
-def step_ms(roundtrip, transport):
-    """Milliseconds of a CartPole step's Monarch messages (monarch_roundtrip.py's Stepper)."""
-    return statistics.median(roundtrip["step"][f"monarch {transport} step"]) * 1e3
+def step_ms(roundtrip, transport, kind):
+    """Milliseconds of a CartPole step's Monarch messages (monarch_roundtrip.py's Stepper):
+    kind "step" (before) or "mesh step" (now)."""
+    return statistics.median(roundtrip["step"][f"monarch {transport} {kind}"]) * 1e3
 
 
 def scaling_section(ps):

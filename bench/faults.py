@@ -547,6 +547,9 @@ def machine():
             f"{platform.python_version()}, torch {torch.__version__}")
 
 
+SUMMARY_HEADER = "| mode | fault | as they should be | statuses | most seconds |"
+
+
 def write(cells, seconds, quick):
     lines = [
         f"# What each terminal shows when something fails ({CORES} cores)",
@@ -569,8 +572,7 @@ def write(cells, seconds, quick):
               "Over every entry point: the cells as they should be, the exit statuses seen (as "
               "a shell shows them), and the most seconds from the fault until the last process "
               "was gone.", "",
-              "| mode | fault | as they should be | statuses | most seconds |",
-              "|---|---|---:|---|---:|"]
+              SUMMARY_HEADER, "|---|---|---:|---|---:|"]
     groups = {}
     for cell in cells:
         groups.setdefault((cell.mode, cell.fault), []).append(cell)
@@ -582,6 +584,9 @@ def write(cells, seconds, quick):
         lines.append(f"| {mode} | {fault} | {good} of {len(group)} | {'; '.join(statuses)} | "
                      f"{max(seconds) if seconds else ''} |")
     lines.append("")
+    if not quick:
+        table = lines[lines.index(SUMMARY_HEADER):]
+        write_failures_page(table, len(cells), len(broken))
     for program in dict.fromkeys(cell.program for cell in cells):
         lines += [f"## {program}", "",
                   "| mode | fault | terminal: last line (status, seconds) | all gone (s) | "
@@ -601,6 +606,23 @@ def write(cells, seconds, quick):
                          f"{'' if cell.seconds is None else cell.seconds} | {cell.left} |")
         lines.append("")
     RESULTS.write_text("\n".join(lines))
+
+
+def write_failures_page(table, cells, broken):
+    """docs/failures.md's measured part, between its markers: the table "By launch mode and
+    fault" of this run, so that the page's statuses and seconds are the ones measured."""
+    page = ROOT / "docs" / "failures.md"
+    begin, end = "<!-- make faults: begin -->", "<!-- make faults: end -->"
+    text = page.read_text()
+    before, _, rest = text.partition(begin)
+    _, _, after = rest.partition(end)
+    results = f"bench/FAULTS-{CORES}-cores.md"
+    measured = [begin,
+                f"Measured by `make faults` on {machine()}. Cells: {cells}; as they should be: "
+                f"{cells - broken}. Bounds: `--init_timeout {INIT_TIMEOUT}`, `--rpc_timeout "
+                f"{RPC_TIMEOUT}` (Monarch: `--call_timeout {RPC_TIMEOUT}`). Each cell is in "
+                f"[{results}](../{results}).", "", *table, end]
+    page.write_text(before + "\n".join(measured) + after)
 
 
 def cells_to_run(args):

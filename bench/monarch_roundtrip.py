@@ -9,17 +9,21 @@ rpc_roundtrip.py sends over RPC: the controller and an actor in a process of its
   (`read_into`), over its TCP fallback where the machine has no RDMA hardware
   (`monarch.configure(rdma_allow_tcp_fallback=True)`): per read, one way, timed in the actor.
 
-- a CartPole step's messages, actor to actor: an actor in the other process calls an endpoint
-  of an actor in the controller's (`await call_one(...)`) and sends it a one-way message
-  (`broadcast`), as rl_cartpole/actors.py's observer does each step with its agent (an action
-  asked for with the state, 4 float32, a reward reported); per step; the RPC programs' step is
-  two `rpc_sync` round trips.
+- the same call with the tensor as a numpy array (`tensor.numpy()`): Monarch pickles a tensor
+  through torch.save, and a numpy array as its bytes (param_server/actors.py sends numpy);
+- a CartPole step's messages, actor to actor, both ways that rl_cartpole/actors.py has stepped:
+  before, an actor in the other process calls an endpoint of an actor in the controller's
+  (`await call_one(...)`, the state) and sends it a one-way message (`broadcast`, the reward),
+  as its observer did; now, an actor in the controller's process calls the other process's mesh
+  (`await call(...)`, the action out, the state and reward back), as its agent does. Per step;
+  the RPC programs' step is two `rpc_sync` round trips (main.py) or one (batch.py).
 
 --transport picks Monarch's channel between processes (`enable_transport`): "ipc" (Unix
 sockets, Monarch's default on one host) or "tcp". Prints nothing; writes one JSON object:
 {payload: {"monarch <transport>": [s a call, one per repetition],
-"monarch <transport> one-way": [...], "monarch <transport> RDMABuffer": [...]},
-"step": {"monarch <transport> step": [s a step, one per repetition]}}.
+"monarch <transport> one-way": [...], "monarch <transport> RDMABuffer": [...],
+"monarch <transport> numpy": [...]}, "step": {"monarch <transport> step": [s a step, one per
+repetition], "monarch <transport> mesh step": [...]}}.
 """
 
 import argparse
@@ -68,9 +72,21 @@ class Echo(Actor):
 
 class Stepper(Actor):
     @endpoint
+    async def mesh_steps(self, observers, count):
+        """Seconds a step of rl_cartpole/actors.py's agent: an awaited call to the observers'
+        mesh with the actions ({id: action}), which answers a CartPole state (4 float32), a
+        reward and whether the episode is over."""
+        answer = (np.zeros(4, dtype=np.float32), 1.0, False)
+        await observers.echo.call(answer)  # warm up
+        started = time.perf_counter()
+        for _ in range(count):
+            await observers.echo.call(answer)
+        return (time.perf_counter() - started) / count
+
+    @endpoint
     async def steps(self, echo, count):
-        """Seconds a step: an awaited call with a CartPole state (4 float32), then a one-way
-        send of a reward (a float)."""
+        """Seconds a step of rl_cartpole/actors.py's observer before: an awaited call with a
+        CartPole state (4 float32), then a one-way send of a reward (a float)."""
         state = np.zeros(4, dtype=np.float32)
         await echo.echo.call_one(state)  # warm up
         started = time.perf_counter()
@@ -120,9 +136,16 @@ def main():
         from monarch.rdma import RDMABuffer
 
         buffer = RDMABuffer(tensor)
-        results[label] = {name: [], f"{name} one-way": [], f"{name} RDMABuffer": []}
+        array = tensor.numpy()
+
+        def call_numpy(array=array):
+            echo.echo.call_one(array).get(timeout=60)
+
+        results[label] = {name: [], f"{name} one-way": [], f"{name} RDMABuffer": [],
+                          f"{name} numpy": []}
         for _ in range(args.repeats):
             results[label][name].append(time_per_call(call, calls))
+            results[label][f"{name} numpy"].append(time_per_call(call_numpy, calls))
             one_way()  # warm up
             results[label][f"{name} one-way"].append(one_way())
             seconds, first_bytes = echo.read.call_one(buffer, size, calls).get(timeout=120)
@@ -130,11 +153,16 @@ def main():
                 raise AssertionError("an RDMABuffer read brought other bytes")
             results[label][f"{name} RDMABuffer"].append(seconds)
     # As in rl_cartpole/actors.py: the agent in the controller's process, the observer in the
-    # other.
+    # other. Before, the observer called the agent; now the agent calls the observers' mesh.
     agent = this_proc().spawn("agent", Echo)
     observer = procs.spawn("observer", Stepper)
-    results["step"] = {f"{name} step": [observer.steps.call_one(agent, 500).get(timeout=120)
-                                        for _ in range(args.repeats)]}
+    driver = this_proc().spawn("driver", Stepper)
+    results["step"] = {f"{name} step": [], f"{name} mesh step": []}
+    for _ in range(args.repeats):
+        results["step"][f"{name} step"].append(
+            observer.steps.call_one(agent, 500).get(timeout=120))
+        results["step"][f"{name} mesh step"].append(
+            driver.mesh_steps.call_one(echo, 500).get(timeout=120))
     procs.stop().get(timeout=60)
     Path(args.out).write_text(json.dumps(results))
 

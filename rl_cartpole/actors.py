@@ -1,17 +1,17 @@
-"""The agent and its observers of main.py as Monarch actors: the same Policy, gamma, seeds,
-episode cap and "Solved!" rule, on what PyTorch offers today beside RPC.
+"""The agent and its observers of main.py and batch.py as Monarch actors: the same Policy,
+gamma, seeds, episode cap and "Solved!" rule, on what PyTorch offers today beside RPC.
 
 Monarch (PyPI: torchmonarch) is a single-controller framework: this command is the controller.
 It starts the observers' processes itself, with an observer actor in each (a mesh of them), and
-puts the agent in its own process, beside the loop that drives training. One call to the
-observers' mesh starts every episode, where main.py loops over rpc_async futures; each observer
-asks the agent for every action and reports every reward, as in main.py.
+puts the agent in its own process. The agent steps every observer at once: each step, one
+forward pass for the states of every observer still playing, as batch.py's agent makes, and
+one call to the observers' mesh, which hands each observer its action and brings back every
+state and reward. In main.py each observer makes two RPCs a step, and in batch.py one.
 
     python actors.py                                # an agent and 1 observer
     python actors.py --world_size 5                 # an agent and 4 observers
 """
 
-import asyncio
 import sys
 import time
 from itertools import count
@@ -36,19 +36,20 @@ monarch = monarch_runs.import_monarch()
 import batch  # noqa: E402
 from monarch.actor import (  # noqa: E402
     Actor,
-    concurrent_endpoint,
     current_rank,
     endpoint,
     this_proc,
 )
 
-import main as tutorial  # noqa: E402
 from main import TOTAL_EPISODE_STEP, Policy  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
 
 class Observer(Actor):
+    """An observer of main.py: its own CartPole environment. The agent steps it: each step, one
+    call to the whole mesh of observers hands each observer its action and brings back every
+    observer's state and reward."""
 
     def __init__(self, args):
         # current_rank(): this actor's place in the observers' mesh, 0..; main.py's observers
@@ -57,33 +58,28 @@ class Observer(Actor):
         self.env = gym.make('CartPole-v1')
         # Gymnasium seeds through the first reset; seed + id, so that observers differ.
         self.seed = args.seed + self.id
-        self.call_timeout = args.call_timeout
+        self.playing = False
         self.recorder = monarch_runs.Recorder(args.profile, args.profile_steps, self.id,
                                               f"observer{self.id}")
 
-    async def answer(self, call):
-        """The agent's answer; --call_timeout bounds the wait."""
-        return await monarch_runs.answer(call, self.call_timeout, "the agent")
-
     @endpoint
-    async def run_episode(self, agent, n_steps):
+    async def reset(self):
+        """A new episode: the first state."""
         state, _ = self.env.reset(seed=self.seed)
         self.seed = None  # later resets go on from the seeded generator
-        for step in range(n_steps):
-            # ask the agent for an action for this state
-            action = await agent.select_action.call_one(self.id, state)
+        self.playing = True
+        return state
 
-            # take it in the environment, and get the reward
-            state, reward, terminated, truncated, _ = self.env.step(action)
-
-            # Give the agent the reward, to train on. No answer is needed: a one-way message
-            # (broadcast), where main.py waits for one. The episode's last is a call: the agent
-            # answers it after every reward before it (Monarch delivers one sender's messages
-            # to an actor in order), so all are in before the controller ends the episode.
-            if terminated or truncated or step == n_steps - 1:
-                await agent.report_reward.call_one(self.id, reward)
-                break
-            agent.report_reward.broadcast(self.id, reward)
+    @endpoint
+    async def step(self, actions):
+        """Take this observer's action, from the agent's {observer id: action}: the next state,
+        the reward, and whether the episode is over. None from an observer whose episode is
+        over already, which has no action."""
+        if not self.playing:
+            return None
+        state, reward, terminated, truncated, _ = self.env.step(actions[self.id])
+        self.playing = not (terminated or truncated)
+        return state, reward, not self.playing
 
     @endpoint
     async def peak_memory_mb(self):
@@ -100,13 +96,18 @@ class Observer(Actor):
 
 
 class Agent(Actor):
-    """main.py's Agent, with its select_action, report_reward and finish_episode as endpoints;
-    only its construction differs: no RRefs, the observers are the controller's mesh."""
+    """The agent of main.py and batch.py: the same Policy, optimizer, gamma and update. It drives
+    the observers itself. Each step it makes one forward pass for the states of every observer
+    still playing (batch.py's; with one observer, main.py's select_action) and one call to the
+    observers' mesh with their actions. main.py's observers instead each make two RPCs a step,
+    and batch.py's one; this is one call for all of them."""
 
     def __init__(self, num_observers, args):
         torch.manual_seed(args.seed)  # the initial policy, as main.py's agent
-        self.rewards = {}
-        self.saved_log_probs = {}
+        self.rewards = {ob_id: [] for ob_id in range(1, num_observers + 1)}
+        # one entry a forward pass: its observer ids and their log-probabilities (batch.py's)
+        self.saved_log_probs = []
+        self.device = torch.device("cpu")  # batch.py's finish_episode moves the returns there
         self.policy = Policy()
         self.optimizer = optim.Adam(self.policy.parameters(), lr=1e-2)
         self.eps = np.finfo(np.float32).eps.item()
@@ -114,26 +115,51 @@ class Agent(Actor):
         self.reward_threshold = gym.make('CartPole-v1').spec.reward_threshold
         self.gamma = args.gamma
         self.env_steps = 0
-        for ob_id in range(1, num_observers + 1):
-            self.rewards[ob_id] = []
-            self.saved_log_probs[ob_id] = []
+        self.call_timeout = args.call_timeout
         self.recorder = monarch_runs.Recorder(args.profile, args.profile_steps, 0, "agent")
 
-    # main.py's methods, unchanged, run by `async def` endpoints (Monarch runs an actor's
-    # endpoints on one event loop, all `async def` or all plain): an actor handles one message
-    # at a time, as main.py's agent handles its RPCs (it takes no lock either).
-    @endpoint
-    async def select_action(self, ob_id, state):
-        return tutorial.Agent.select_action(self, ob_id, state)
+    def select_actions(self, states):
+        """One forward pass for {observer id: state}: {observer id: action}. The log-probabilities
+        are kept for the update, as batch.py's agent keeps them."""
+        ob_ids = sorted(states)
+        state_batch = torch.from_numpy(np.stack([states[ob_id] for ob_id in ob_ids])).float()
+        probs = self.policy(state_batch)
+        m = Categorical(probs)
+        actions = m.sample()
+        self.saved_log_probs.append((ob_ids, m.log_prob(actions)))
+        return dict(zip(ob_ids, actions.tolist(), strict=True))
+
+    async def answer(self, call):
+        """The observers' answers; --call_timeout bounds the wait."""
+        return await monarch_runs.answer(call, self.call_timeout, "the observers")
 
     @endpoint
-    async def report_reward(self, ob_id, reward):
-        tutorial.Agent.report_reward(self, ob_id, reward)
+    async def run_episode(self, observers, n_steps):
+        """One episode on every observer at once, as main.py's run_episode, stepped from here."""
+        states = {}
+        for point, state in (await self.answer(observers.reset.call())).items():
+            states[point.rank + 1] = state
+            self.rewards[point.rank + 1] = []
+        for _ in range(n_steps):
+            actions = self.select_actions(states)
+            # One call to the observers' mesh: the actions out, every observer's step back.
+            steps = await self.answer(observers.step.call(actions))
+            states = {}
+            for point, step in steps.items():
+                if step is None:  # this observer's episode was over already
+                    continue
+                state, reward, done = step
+                self.rewards[point.rank + 1].append(reward)
+                if not done:
+                    states[point.rank + 1] = state
+            if not states:
+                break
 
     @endpoint
     async def finish_episode(self):
-        """main.py's finish_episode; the controller also gets the running reward."""
-        last_reward = tutorial.Agent.finish_episode(self)
+        """batch.py's finish_episode (main.py's update, from one tensor of log-probabilities);
+        the controller also gets the running reward."""
+        last_reward = batch.BatchAgent.finish_episode(self)
         return last_reward, self.running_reward, self.reward_threshold
 
     @endpoint
@@ -149,83 +175,6 @@ class Agent(Actor):
     @endpoint
     async def stop_profile(self):
         self.recorder.stop()
-
-
-class BatchObserver(Observer):
-    """--batch: batch.py's BatchObserver, one call a step; it keeps its rewards and hands them
-    to the agent when its episode is over."""
-
-    @endpoint
-    async def run_episode(self, agent, n_steps):
-        state, _ = self.env.reset(seed=self.seed)
-        rewards = []
-        self.seed = None
-        for _ in range(n_steps):
-            action = await agent.select_action_batch.call_one(self.id, state)
-            state, reward, terminated, truncated, _ = self.env.step(action)
-            rewards.append(reward)
-            if terminated or truncated:
-                break
-        # batch.py's agent learns that an observer is done from the future of its RPC; here
-        # the observer tells it, with its rewards, and the agent stops waiting for its states.
-        await agent.observer_finished.call_one(self.id, rewards)
-
-
-class BatchAgent(Agent):
-    """--batch: batch.py's BatchAgent. select_action_batch waits until every observer still
-    playing has sent its state and answers them all with one forward pass: a concurrent
-    endpoint (each call a task of the actor's event loop) that awaits a future of the batch's
-    actions, as batch.py's @rpc.functions.async_execution function returns one. The update is
-    batch.py's finish_episode."""
-
-    def __init__(self, num_observers, args):
-        super().__init__(num_observers, args)
-        self.device = torch.device("cpu")  # batch.py's finish_episode moves the returns there
-        self.num_observers = num_observers
-        # The states waiting for the next forward pass, by observer id; the future that the
-        # next forward pass completes with every observer's action; how many observers are
-        # still playing; one entry per forward pass: its observer ids and log-probabilities.
-        self.states = {}
-        self.future_actions = asyncio.get_running_loop().create_future()
-        self.playing = num_observers
-        self.saved_log_probs = []
-
-    @concurrent_endpoint
-    async def select_action_batch(self, ob_id, state):
-        self.states[ob_id] = state
-        future_actions = self.future_actions
-        self._act_if_all_states_are_in()
-        return (await future_actions)[ob_id]
-
-    def _act_if_all_states_are_in(self):
-        """One forward pass for the states of all observers still playing, once each has sent
-        one (batch.py's, with an asyncio future)."""
-        if not self.states or len(self.states) < self.playing:
-            return
-        ob_ids = sorted(self.states)
-        states = torch.from_numpy(np.stack([self.states[ob_id] for ob_id in ob_ids])).float()
-        probs = self.policy(states)
-        m = Categorical(probs)
-        actions = m.sample()
-        self.saved_log_probs.append((ob_ids, m.log_prob(actions)))
-        future_actions = self.future_actions
-        self.future_actions = asyncio.get_running_loop().create_future()
-        self.states = {}
-        future_actions.set_result(dict(zip(ob_ids, actions.tolist(), strict=True)))
-
-    @concurrent_endpoint
-    async def observer_finished(self, ob_id, rewards):
-        """An observer's episode is over: stop waiting for its states, and take its rewards."""
-        self.playing -= 1
-        self._act_if_all_states_are_in()
-        self.rewards[ob_id] = rewards
-
-    @endpoint
-    async def finish_episode(self):
-        """batch.py's finish_episode; the controller also gets the running reward."""
-        last_reward = batch.BatchAgent.finish_episode(self)
-        self.playing = self.num_observers
-        return last_reward, self.running_reward, self.reward_threshold
 
 
 def profile(agent, observers, endpoint_name, timeout):
@@ -250,11 +199,9 @@ def main(args):
     torch.set_num_threads(1)  # the agent, in this process, as setup_process() does for observers
     # On this host, or on the hosts of --workers (monarch_runs.spawn_procs).
     observer_procs = monarch_runs.spawn_procs(args, num_observers, bootstrap=setup_process)
-    # --batch: batch.py's observers and agent, main.py's otherwise.
-    observer_class, agent_class = (BatchObserver, BatchAgent) if args.batch else (Observer, Agent)
-    observers = observer_procs.spawn("observer", observer_class, args)
+    observers = observer_procs.spawn("observer", Observer, args)
     # this_proc(): the agent lives in this process, the controller's, as rank 0 in main.py.
-    agent = this_proc().spawn("agent", agent_class, num_observers, args)
+    agent = this_proc().spawn("agent", Agent, num_observers, args)
     timeout = args.call_timeout
     # The clock starts once every actor is up, as main.py's starts once its observers exist:
     # the processes' start is not training.
@@ -267,9 +214,9 @@ def main(args):
             profile(agent, observers, "start_profile", timeout)
         if i_episode - 1 == monarch_runs.WARMUP_STEPS + args.profile_steps:
             profile(agent, observers, "stop_profile", timeout)
-        # One call to the observers' mesh runs an episode on each; get() waits for all of them.
-        episodes = observers.run_episode.call(agent, TOTAL_EPISODE_STEP)
-        monarch_runs.get(episodes, timeout, "the observers")
+        # The agent plays an episode on every observer, main.py's number of steps at most.
+        n_steps = int(TOTAL_EPISODE_STEP / num_observers)
+        monarch_runs.get(agent.run_episode.call_one(observers, n_steps), timeout, "the agent")
         finished = agent.finish_episode.call_one()
         last_reward, running_reward, reward_threshold = monarch_runs.get(finished, timeout,
                                                                          "the agent")
@@ -295,7 +242,7 @@ def main(args):
     for point, megabytes in observer_memory.items():
         memory[f"observer{point.rank + 1}"] = megabytes
     steps_per_second = figures["env_steps"] / seconds
-    mode = "monarch batch" if args.batch else "monarch"
+    mode = "monarch"
     summary = {"example": "rl_cartpole", "mode": mode, "episodes": i_episode,
                "last_reward": last_reward, **figures, "training_seconds": round(seconds, 3),
                "observers": num_observers, "seed": args.seed, "gamma": args.gamma,
@@ -326,9 +273,6 @@ def parse_args(argv=None):
                         help='how much to value future rewards')
     parser.add_argument('--seed', type=monarch_runs.int_at_least(0), default=543, metavar='N',
                         help="random seed (main.py's, the tutorial's)")
-    parser.add_argument("--batch", action="store_true",
-                        help="batch.py's agent and observers: one forward pass for the states of "
-                             "every observer still playing, one call a step")
     parser.add_argument("--max_episodes", "--max-episodes", type=monarch_runs.int_at_least(1),
                         default=2000, metavar="N", help="stop, unsolved, after this many episodes")
     monarch_runs.add_arguments(parser)

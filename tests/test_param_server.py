@@ -196,7 +196,8 @@ def test_batch_bad_input_is_one_line_and_status_2(capsys, argv, expected):
 
 @pytest.mark.parametrize("argv, expected", [
     (["--world_size", "1"], "must be at least 2"),
-    (["--batch_update_size", "3"], "more than the 2 trainer(s) of a world of 3"),
+    # every step takes a gradient of every trainer
+    (["--batch_update_size", "1"], "unrecognized arguments: --batch_update_size 1"),
     (["--call_timeout", "0"], "greater than 0"),
     (["--rank", "1"], "unrecognized arguments: --rank 1"),  # Monarch starts every process
     (["--dataset", "mnist", "--data_dir", "/nonexistent/mnist"], "no such folder"),
@@ -207,10 +208,12 @@ def test_actors_bad_input_is_one_line_and_status_2(capsys, argv, expected):
 
 
 def test_actors_take_batch_pys_learning_rate():
+    """batch.py's default: each step averages a gradient of every trainer, at 0.03 times their
+    number."""
     ps_actors = load_actors("param_server")
     args = ps_actors.parse_args(["--dataset", "synthetic"])
-    assert (args.world_size, args.batch_update_size, args.lr) == (4, None, pytest.approx(0.09))
-    args = ps_actors.parse_args(["--dataset", "synthetic", "--batch_update_size", "1"])
+    assert (args.world_size, args.lr) == (4, pytest.approx(0.09))
+    args = ps_actors.parse_args(["--dataset", "synthetic", "--world_size", "2"])
     assert args.lr == pytest.approx(0.03)
 
 
