@@ -69,6 +69,7 @@ class ParameterServer(Actor):
         # plain SGD at --lr, as batch.py's
         self.optimizer = optim.SGD(self.model.parameters(), lr=args.lr)
         self.call_timeout = args.call_timeout
+        self.init_timeout = args.init_timeout
         # What the summary reports.
         self.versions = 0
         self.gradients = 0
@@ -89,7 +90,13 @@ class ParameterServer(Actor):
             # One call to the trainers' mesh: the weights, pickled once, to every trainer;
             # each trainer's gradients (None once it has no batch left) as its answer.
             call = trainers.train_batch.call(weights)
-            answers = await monarch_runs.answer(call, self.call_timeout, "the trainers")
+            if self.versions == 0:
+                # The first call also starts each trainer's data loader and torch's kernels,
+                # which takes seconds on a busy machine: start-up, bounded as such.
+                answers = await monarch_runs.answer(call, self.init_timeout,
+                                                    "the trainers' first batch", "--init_timeout")
+            else:
+                answers = await monarch_runs.answer(call, self.call_timeout, "the trainers")
             gradients = [flat for _, flat in answers.items() if flat is not None]
             if not gradients:
                 break
@@ -214,10 +221,13 @@ class TellingLoader:
 
 
 def wait_while_progress(future, ps, what, args):
-    """future's answer, waited for as long as the parameter server's figures change every
-    --call_timeout seconds (a model version, a tested batch): training takes as long as it
-    takes. The server bounds each of its own calls to the trainers by --call_timeout."""
+    """future's answer, waited for as long as the parameter server's figures change (a model
+    version, a tested batch): training takes as long as it takes. The server bounds each of
+    its calls to the trainers (--call_timeout; --init_timeout for the first model version)
+    and says which did not answer; this wait is the backstop, which gives up only after twice
+    that bound without progress, so that the server's line comes first."""
     progress = None
+    unchanged_since = time.monotonic()
     while True:
         try:
             return future.get(timeout=args.call_timeout)
@@ -226,10 +236,15 @@ def wait_while_progress(future, ps, what, args):
         figures = monarch_runs.get(ps.figures.call_one(), args.call_timeout,
                                    "the parameter server")
         now = (figures["model_versions"], figures["batches_tested"])
-        if now == progress:
-            raise TimeoutError(f"{what}: no progress within {args.call_timeout:g} s "
-                               "(--call_timeout)")
-        progress = now
+        if now != progress:
+            progress = now
+            unchanged_since = time.monotonic()
+            continue
+        bound = args.init_timeout if now == (0, 0) else args.call_timeout
+        waited = time.monotonic() - unchanged_since
+        if waited > 2 * bound:
+            raise TimeoutError(f"{what}: no progress within {waited:.0f} s (twice "
+                               f"{'--init_timeout' if now == (0, 0) else '--call_timeout'})")
 
 
 def setup_process(threads):
@@ -254,7 +269,8 @@ def main(args):
     ps = this_proc().spawn("parameter_server", ParameterServer, trainers_count, args)
     trainers = trainer_procs.spawn("trainer", Trainer, ps, args)
     # Each trainer's process starts, imports torch and makes its data: --init_timeout.
-    monarch_runs.get(trainers.initialized, args.init_timeout, "the trainers' processes")
+    monarch_runs.get(trainers.initialized, args.init_timeout, "the trainers' processes",
+                     "--init_timeout")
     print(f"Start training: a parameter server and {trainers_count} trainer(s), "
           f"{threads} thread(s) each")
     wait_while_progress(ps.train.call_one(trainers), ps, "training", args)
@@ -278,7 +294,8 @@ def main(args):
     if args.profile:
         print(monarch_runs.write_timeline(args.profile, ["parameter_server", *reports]))
     # The trainers' processes stop, within --init_timeout; then the run's last line.
-    monarch_runs.get(trainer_procs.stop(), args.init_timeout, "the trainers' processes")
+    monarch_runs.get(trainer_procs.stop(), args.init_timeout, "the trainers' processes",
+                     "--init_timeout")
     monarch_runs.write_summary(args, summary, line, memory)
 
 

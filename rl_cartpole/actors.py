@@ -205,8 +205,10 @@ def main(args):
     timeout = args.call_timeout
     # The clock starts once every actor is up, as main.py's starts once its observers exist:
     # the processes' start is not training.
-    monarch_runs.get(observers.initialized, args.init_timeout, "the observers' processes")
-    monarch_runs.get(agent.initialized, args.init_timeout, "the agent")
+    monarch_runs.get(observers.initialized, args.init_timeout, "the observers' processes",
+                     "--init_timeout")
+    monarch_runs.get(agent.initialized, args.init_timeout, "the agent",
+                     "--init_timeout")
     started = time.perf_counter()
     for i_episode in count(1):
         # Not in main.py: --profile's window, episodes 3 to 2 + --profile_steps.
@@ -216,7 +218,12 @@ def main(args):
             profile(agent, observers, "stop_profile", timeout)
         # The agent plays an episode on every observer, main.py's number of steps at most.
         n_steps = int(TOTAL_EPISODE_STEP / num_observers)
-        monarch_runs.get(agent.run_episode.call_one(observers, n_steps), timeout, "the agent")
+        # The agent bounds each of its calls to the observers by --call_timeout, and says which
+        # did not answer; the episode, reset included, makes n_steps + 1 of them at most. So
+        # this bound is a backstop, which the agent's own bound always beats.
+        episode_bound = timeout * (n_steps + 1)
+        monarch_runs.get(agent.run_episode.call_one(observers, n_steps), episode_bound,
+                         "the agent")
         finished = agent.finish_episode.call_one()
         last_reward, running_reward, reward_threshold = monarch_runs.get(finished, timeout,
                                                                          "the agent")
@@ -251,7 +258,8 @@ def main(args):
             f"running reward {running_reward:.2f}, {figures['env_steps']} environment steps at "
             f"{steps_per_second:.1f} steps/s")
     # The observers' processes stop, within --init_timeout; then the run's last line.
-    monarch_runs.get(observer_procs.stop(), args.init_timeout, "the observers' processes")
+    monarch_runs.get(observer_procs.stop(), args.init_timeout, "the observers' processes",
+                     "--init_timeout")
     monarch_runs.write_summary(args, summary, line, memory)
 
 

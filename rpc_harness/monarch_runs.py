@@ -85,23 +85,22 @@ def monarch_missing():
             "folder")
 
 
-def get(future, timeout, what):
-    """future.get(timeout), or TimeoutError saying whose answer did not come: every wait of
-    the Monarch programs is bounded by --call_timeout."""
+def get(future, timeout, what, flag="--call_timeout"):
+    """future.get(timeout), or TimeoutError saying whose answer did not come and which flag
+    set the bound: every wait of the Monarch programs is bounded by --call_timeout, or by
+    --init_timeout while processes start or stop."""
     try:
         return future.get(timeout=timeout)
     except TimeoutError:
-        raise TimeoutError(f"no answer from {what} within {timeout:g} s "
-                           "(--call_timeout)") from None
+        raise TimeoutError(f"no answer from {what} within {timeout:g} s ({flag})") from None
 
 
-async def answer(future, timeout, what):
+async def answer(future, timeout, what, flag="--call_timeout"):
     """The answer of `future`, awaited in an actor's endpoint (`async def`), bounded as get()."""
     try:
         return await asyncio.wait_for(future, timeout)
     except asyncio.TimeoutError:  # TimeoutError from Python 3.11, its own class in 3.10
-        raise TimeoutError(f"no answer from {what} within {timeout:g} s "
-                           "(--call_timeout)") from None
+        raise TimeoutError(f"no answer from {what} within {timeout:g} s ({flag})") from None
 
 
 # --------- The command line --------------------
@@ -154,7 +153,8 @@ def spawn_procs(args, count, bootstrap):
     # loopback one (a container's): the address that reaches the first worker, given.
     enable_transport(f"tcp://{address_towards(host, int(port))}:0")
     hosts = attach_to_workers(workers=workers, ca="trust_all_connections")
-    get(hosts.initialized, args.init_timeout, f"the workers ({args.workers})")
+    get(hosts.initialized, args.init_timeout, f"the workers ({args.workers})",
+        "--init_timeout")
     return hosts.spawn_procs(per_host={"procs": count // len(workers)}, bootstrap=bootstrap)
 
 
@@ -210,8 +210,12 @@ def one_line_on_failure(role):
     except TimeoutError as err:
         end(f"{err}; stopped every process", 1)
     except monarch.actor.ActorError as err:  # raised in an endpoint, which goes on serving
-        if isinstance(err.exception, TimeoutError):
-            end(f"{err.message} {err.exception}; stopped every process", 1)
+        # An endpoint that awaited another actor's endpoint passes its error on, wrapped:
+        # the innermost is the one that says what went wrong.
+        while isinstance(err.exception, monarch.actor.ActorError):
+            err = err.exception
+        if isinstance(err.exception, TimeoutError):  # says whose answer did not come
+            end(f"{err.exception}; stopped every process", 1)
         ending.wait_for_a_cause(2)  # a killed process: on_fault names it
         what = traceback.format_exception_only(type(err.exception), err.exception)[-1].strip()
         end(f"{err.message.rstrip('.')} ({what}); stopped every process", 1,

@@ -92,7 +92,7 @@ def test_an_endpoints_error_is_its_traceback_and_one_line(runs, tmp_path):
     run.wait(timeout=120)
     assert run.returncode == 1, run.output
     error = "RuntimeError: an error injected by bench/faults.py"
-    assert run.last_line == (f"Actor call observer.run_episode failed ({error}); stopped every "
+    assert run.last_line == (f"Actor call observer.step failed ({error}); stopped every "
                              "process"), run.output
     assert "Traceback of where the remote call failed" in run.output
     assert not run.leftovers(grace=3)
