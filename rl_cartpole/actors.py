@@ -3,10 +3,11 @@ gamma, seeds, episode cap and "Solved!" rule, on what PyTorch offers today besid
 
 Monarch (PyPI: torchmonarch) is a single-controller framework: this command is the controller.
 It starts the observers' processes itself, with an observer actor in each (a mesh of them), and
-puts the agent in its own process. The agent steps every observer at once: each step, one
-forward pass for the states of every observer still playing, as batch.py's agent makes, and
-one call to the observers' mesh, which hands each observer its action and brings back every
-state and reward. In main.py each observer makes two RPCs a step, and in batch.py one.
+puts the agent in this process, as main.py's agent is rank 0. The agent steps every observer at
+once: each step, one forward pass for the states of every observer still playing, as batch.py's
+agent makes, and one call to the observers' mesh, which hands each observer its action and
+brings back every state and reward. In main.py each observer makes two RPCs a step, and in
+batch.py one.
 
     python actors.py                                # an agent and 1 observer
     python actors.py --world_size 5                 # an agent and 4 observers
