@@ -53,7 +53,8 @@ HERE = Path(__file__).resolve().parent
 
 def as_message(tensors):
     """Tensors as one flat numpy array, for a message. Monarch pickles a tensor through
-    torch.save, and a numpy array as its bytes: a 5 MB round trip took 13 ms, against 22."""
+    torch.save, and a numpy array as its bytes: a 5 MB round trip took 19 ms, against 27 (2
+    cores, bench/MONARCH-2-cores.md)."""
     return parameters_to_vector(tensors).detach().cpu().numpy()
 
 
