@@ -11,7 +11,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 OLDEST := .venv-oldest
 
-.PHONY: run test test-quick test-oldest bench faults pictures docs clean
+.PHONY: run test test-quick test-oldest bench faults versions pictures docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -102,6 +102,18 @@ bench: $(VENV)/.bench-installed
 # QUICK=1: param_server's main.py and actors.py alone, every mode and fault (4 minutes).
 faults: $(VENV)/.dev-installed
 	$(PY) bench/faults.py $(if $(QUICK),--quick)
+
+# docs/versions.md: every entry point in every launch mode on each torch minor from
+# requirements.txt's floor to the newest release, and on each Python that pyproject.toml claims,
+# each in an environment of its own that uv makes and removes (bench/versions.py; hours on 2
+# cores, see docs/versions.md's head). Ctrl-C stops it; run it again to pick up where it stopped.
+# Run it after a change to the harness or to a requirement.
+$(VENV)/.versions-installed: bench/requirements-versions.txt $(VENV)/.dev-installed
+	$(PY) -m pip install --quiet -r bench/requirements-versions.txt
+	touch $@
+
+versions: $(VENV)/.versions-installed
+	$(PY) bench/versions.py
 
 # The READMEs' pictures of a profiled run's timeline (bench/draw_timeline.py), from fresh runs:
 # each example's step 4 (of its first looping rank), and the recipe's two RPCs. PICTURE's

@@ -1,0 +1,700 @@
+"""`make versions`: every entry point on every torch and Python this project claims, each in an
+environment of its own, and the table of what ran (docs/versions.md).
+
+The environments, one at a time (made, used, removed: each torch with its CUDA libraries is
+about 6 GB):
+
+    torch 2.4 ... newest   the newest patch of each torch minor from requirements.txt's floor to
+                           the newest the registry serves, with the torchvision that pairs with
+                           it, on this Python (the default)
+    Python 3.10 ... 3.14   each Python that pyproject.toml claims, on the newest torch that has
+                           wheels for it; a Python this machine lacks is resolved only (what
+                           its markers give), and its cells say that it was not run
+
+In each environment, every entry point runs its README's first command shortened by flags only,
+in every launch mode it has: every rank from one command (`spawn-all`), a rank a process as a
+terminal each (`per-rank`, the last rank first), `torchrun`; the Monarch programs their own
+way (`monarch`). A run counts only when it exits 0 and its summary shows that it learned what
+its tests check at that size (LEARNED below). A cell (an entry point on one environment) is
+marked ran when every one of its runs counted; otherwise it holds each failing run's last line.
+
+Installs use uv with its cache (one torch download is shared by every environment that uses
+it): 20 to 30 s an environment here, against minutes with pip. The results go to
+bench/versions.json after every run, so Ctrl-C stops and a later run picks up where it stopped
+(`--again` to start over). At the end, and with `--report`, docs/versions.md is written.
+
+    python bench/versions.py                    # the whole matrix
+    python bench/versions.py --env "torch 2.6"  # the environments whose label starts so
+    python bench/versions.py --here --label "H200, torch 2.11" --state bench/versions-gpu.json
+                                                # this interpreter as it is, no install
+    python bench/versions.py --report           # docs/versions.md from bench/versions.json
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+STATE = BENCH / "versions.json"
+REPORT = ROOT / "docs" / "versions.md"
+RUN_SECONDS = 300  # one run's bound: the slowest here takes about 40 s on 2 busy cores
+MODES = ("spawn-all", "per-rank", "torchrun")
+
+
+# --------- What is claimed --------------------
+
+def torch_floor():
+    """The oldest torch minor that requirements.txt allows, as (major, minor)."""
+    text = (ROOT / "requirements.txt").read_text()
+    found = re.search(r"^torch>=(\d+)\.(\d+)", text, re.M)
+    return int(found[1]), int(found[2])
+
+
+def claimed_pythons():
+    """The Python minors that pyproject.toml's classifiers claim, oldest first ("3.10", ...)."""
+    text = (ROOT / "pyproject.toml").read_text()  # read as text: tomllib is 3.11's
+    found = re.findall(r'"Programming Language :: Python :: (3\.\d+)"', text)
+    return sorted(found, key=lambda version: int(version.split(".")[1]))
+
+
+def served_torch_minors(python):
+    """The newest patch of each torch minor from the floor up that the registry serves:
+    ["2.4.1", "2.5.1", ...]. Asks the registry (pip index), as a user's pip would."""
+    listing = subprocess.run([python, "-m", "pip", "index", "versions", "torch"],
+                             capture_output=True, text=True, check=True).stdout
+    versions = re.search(r"Available versions: (.*)", listing)[1].split(", ")
+    newest = {}
+    for version in versions:
+        if re.fullmatch(r"\d+\.\d+\.\d+", version):  # no local builds such as 2.13.0+cpu
+            major, minor, patch = map(int, version.split("."))
+            if (major, minor) >= torch_floor():
+                newest[(major, minor)] = max(newest.get((major, minor), -1), patch)
+    return [f"{major}.{minor}.{patch}" for (major, minor), patch in sorted(newest.items())]
+
+
+def find_python(minor):
+    """The path of the newest Python `minor` ("3.12") that pyenv holds here, or None."""
+    try:
+        listed = subprocess.run(["pyenv", "versions", "--bare"], capture_output=True,
+                                text=True, check=True).stdout.split()
+        root = subprocess.run(["pyenv", "root"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        listed, root = [], ""
+    matching = [v for v in listed if re.fullmatch(re.escape(minor) + r"\.\d+", v)]
+    if matching:
+        newest = max(matching, key=lambda v: int(v.split(".")[2]))
+        return str(Path(root) / "versions" / newest / "bin" / f"python{minor}")
+    if f"{sys.version_info.major}.{sys.version_info.minor}" == minor:
+        return sys.executable
+    return None
+
+
+@dataclass
+class Environment:
+    """One column of the table: a Python and a torch (None: the newest with wheels for it)."""
+
+    label: str
+    python_minor: str
+    torch: str | None
+    python: str | None  # the interpreter's path; None: this machine lacks it
+
+
+def environments(default_python):
+    """Every environment of the matrix, in the order it runs them: the torch minors on the
+    default Python, then every other claimed Python on its newest torch."""
+    default_minor = "{}.{}".format(*sys.version_info[:2])
+    found = [Environment(f"torch {version}", default_minor, version, default_python)
+             for version in served_torch_minors(default_python)]
+    for minor in claimed_pythons():
+        if minor != default_minor:
+            found.append(Environment(f"Python {minor}", minor, None, find_python(minor)))
+    return found
+
+
+# --------- The entry points, their short runs, and what each must learn --------------------
+
+EPISODE = re.compile(r"^Episode \d+\tLast reward: (\S+)\t", re.M)
+
+
+def _rewards_rose(factor):
+    """The mean of the last 10 episodes' rewards is `factor` times that of the first 10 (a random
+    policy lasts about 20 steps): rl_cartpole's tests' bound for the same run."""
+    def check(summary, output):
+        rewards = [float(reward) for reward in EPISODE.findall(output)]
+        if len(rewards) < 20:
+            return f"only {len(rewards)} episodes logged"
+        first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+        if last > factor * first:
+            return None
+        return f"did not learn: last 10 episodes' mean reward {last:.1f}, first 10's {first:.1f}"
+    return check
+
+
+def _accuracy_at_least(bound):
+    def check(summary, output):
+        accuracy = summary.get("accuracy")
+        if accuracy is None:
+            accuracy = min(summary["accuracy_per_trainer"].values())
+        return None if accuracy >= bound else f"did not learn: accuracy {accuracy:.3f}"
+    return check
+
+
+def _loss_fell(ratio, *, first_of=lambda s: s["first_loss"], last_of=lambda s: s["last_loss"]):
+    """Each of the summary's losses (one, or one per trainer or schedule) fell below `ratio`
+    of its first."""
+    def check(summary, output):
+        firsts, lasts = first_of(summary), last_of(summary)
+        if not isinstance(firsts, dict):
+            firsts, lasts = {"": firsts}, {"": lasts}
+        for name, first in firsts.items():
+            if not lasts[name] < ratio * first:
+                return f"did not learn: {name} loss {first:.3f} -> {lasts[name]:.3f}".replace(
+                    "  ", " ")
+        return None
+    return check
+
+
+def _profiled(summary, output):
+    """The recipe's run: worker1's own profile holds its operators, or this torch's profiler
+    records only the main thread and the run said so (rpc_harness.compat.profiler_options)."""
+    if summary["worker1_operators"] > 0 or summary["all_threads"] is False:
+        return None
+    return "worker1's profile holds no operators"
+
+
+def _schedules(summary):
+    return {name: figures["2"] for name, figures in summary["schedules"].items()}
+
+
+@dataclass
+class Program:
+    """An entry point: its folder and script, its world, its short run's flags, and the check
+    of its summary and output (None when it learned, else what it did not)."""
+
+    key: str
+    world_size: int
+    flags: list
+    learned: object
+    monarch: bool = False
+
+    @property
+    def script(self):
+        return ROOT / self.key
+
+    @property
+    def modes(self):
+        return ("monarch",) if self.monarch else MODES
+
+
+PARAM_SERVER = ["--dataset", "synthetic", "--max_batches", "60", "--log_interval", "20"]
+PIPELINE = ["--num_split", "2", "--batch_size", "16", "--lr", "0.02"]
+PROGRAMS = [
+    Program("param_server/main.py", 3, PARAM_SERVER, _accuracy_at_least(0.5)),
+    Program("param_server/batch.py", 3, PARAM_SERVER, _accuracy_at_least(0.7)),
+    Program("param_server/actors.py", 3, PARAM_SERVER, _accuracy_at_least(0.7), monarch=True),
+    Program("rl_cartpole/main.py", 2, ["--max_episodes", "60", "--log_interval", "1"],
+            _rewards_rose(1.5)),
+    Program("rl_cartpole/batch.py", 3, ["--max_episodes", "30", "--log_interval", "1"],
+            _rewards_rose(1.3)),
+    Program("rl_cartpole/actors.py", 2, ["--max_episodes", "60", "--log_interval", "1"],
+            _rewards_rose(1.5), monarch=True),
+    Program("rnn_model_parallel/main.py", 2, ["--epochs", "4"], _loss_fell(0.6)),
+    Program("ddp_rpc_hybrid/main.py", 4, ["--epochs", "10"], _loss_fell(0.5)),
+    Program("ddp_rpc_hybrid/remote_module.py", 4, ["--epochs", "10"], _loss_fell(0.5)),
+    Program("pipeline_parallel/main.py", 3, [*PIPELINE, "--num_batches", "12"],
+            _loss_fell(0.8, first_of=lambda s: s["splits"]["2"]["first_loss"],
+                       last_of=lambda s: s["splits"]["2"]["last_loss"])),
+    Program("pipeline_parallel/pipelining.py", 2, [*PIPELINE, "--num_batches", "10"],
+            _loss_fell(0.8, first_of=lambda s: {k: v["first_loss"] for k, v in
+                                                _schedules(s).items()},
+                       last_of=lambda s: {k: v["last_loss"] for k, v in _schedules(s).items()})),
+    Program("rpc_profiling/main.py", 2, [], _profiled),
+]
+
+
+# --------- Running one entry point in one mode --------------------
+
+_running = set()  # the process groups of the runs under way, killed on Ctrl-C
+_running_lock = threading.Lock()
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+_stopping = threading.Event()  # set on Ctrl-C: no run starts after it
+
+
+class Stopped(Exception):
+    """A run that was not started, or not finished, because Ctrl-C stopped the matrix."""
+
+
+def _start(command, log, env):
+    with _running_lock:
+        if _stopping.is_set():
+            raise Stopped
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   cwd=ROOT, start_new_session=True, stdin=subprocess.DEVNULL)
+        _running.add(process.pid)
+    return process
+
+
+def _stop_every_run():
+    """Ctrl-C: start nothing more, and kill every run under way."""
+    with _running_lock:
+        _stopping.set()
+        for pid in _running:
+            _kill_group(pid)
+
+
+def _kill_group(pid, grace=0.0):
+    """Kill what is left of a process group after `grace` seconds (polled, as the tests'
+    leftovers() does: a rank's helper processes end just after it); True when something was
+    left."""
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            os.killpg(pid, 0)
+        except (ProcessLookupError, PermissionError):  # gone (PermissionError: a zombie)
+            return False
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _last_line(path):
+    lines = [line for line in Path(path).read_text(errors="replace").splitlines()
+             if line.strip()]
+    return lines[-1].strip() if lines else "(no output)"
+
+
+def run_program(program, mode, python, env_vars, folder):
+    """Run `program` in `mode` with `python`; a result: ok, seconds, last_line, why (None
+    when it ran and learned)."""
+    summary = folder / "summary.json"
+    flags = [*program.flags, "--summary_json", str(summary)]
+    if program.key == "rpc_profiling/main.py":
+        flags += ["--profile", str(folder / "traces")]
+    script = str(program.script)
+    port = str(_free_port())
+    if mode == "spawn-all":
+        commands = [[python, script, "--world_size", str(program.world_size), *flags,
+                     "--master_port", port]]
+    elif mode == "per-rank":
+        commands = [[python, script, "--world_size", str(program.world_size), "--rank",
+                     str(rank), *flags, "--master_port", port]
+                    for rank in range(program.world_size)]
+    elif mode == "torchrun":
+        commands = [[python, "-m", "torch.distributed.run", "--nproc_per_node",
+                     str(program.world_size), "--master_port", port, script, *flags]]
+    else:
+        commands = [[python, script, "--world_size", str(program.world_size), *flags]]
+    started = time.monotonic()
+    logs = [folder / f"terminal{index}.log" for index in range(len(commands))]
+    processes = []
+    # The last rank first: start order must not matter.
+    for index in reversed(range(len(commands))):
+        with open(logs[index], "w") as log:
+            processes.append((index, _start(commands[index], log, env_vars)))
+    processes.sort()
+    why = None
+    for _, process in processes:
+        left = RUN_SECONDS - (time.monotonic() - started)
+        try:
+            process.wait(timeout=max(left, 1))
+        except subprocess.TimeoutExpired:
+            why = why or f"did not finish within {RUN_SECONDS} s"
+            _kill_group(process.pid)
+            process.wait()
+        if process.returncode != 0 and why is None:
+            why = f"exit status {process.returncode}"
+    seconds = time.monotonic() - started
+    for _, process in processes:
+        if _kill_group(process.pid, grace=10) and why is None:
+            why = "left processes running"
+        with _running_lock:
+            _running.discard(process.pid)
+    output = "".join(log.read_text(errors="replace") for log in logs)
+    last_line = _last_line(logs[0])
+    if why is None:
+        if not summary.exists():
+            why = "no summary written"
+        else:
+            try:
+                why = program.learned(json.loads(summary.read_text()), output)
+            except (KeyError, TypeError, ValueError) as error:
+                why = f"its summary lacks a figure ({error!r})"
+    return {"ok": why is None, "seconds": round(seconds, 1), "last_line": last_line, "why": why}
+
+
+# --------- Environments: made, used, removed --------------------
+
+def uv():
+    """The uv command: beside this Python (make versions installs it into .venv), or on PATH."""
+    beside = Path(sys.executable).with_name("uv")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("uv")
+    if found is None:
+        sys.exit("make versions needs uv (pip install uv): it installs each environment")
+    return found
+
+
+def requirements(environment):
+    """What an environment installs: requirements.txt, with the column's torch pinned."""
+    pins = [f"torch=={environment.torch}"] if environment.torch else []
+    return ["-r", str(ROOT / "requirements.txt"), *pins]
+
+
+def installed_versions(python):
+    """The versions of the packages that matter, as this environment's Python reports them."""
+    code = ("import importlib.metadata as m, json, platform\n"
+            "found = {'python': platform.python_version()}\n"
+            "for name in ('torch', 'torchvision', 'gymnasium', 'numpy', 'torchmonarch'):\n"
+            "    try: found[name] = m.version(name)\n"
+            "    except m.PackageNotFoundError: found[name] = None\n"
+            "print(json.dumps(found))")
+    return json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True,
+                                     check=True).stdout)
+
+
+def make_environment(environment, folder):
+    """A virtual environment in `folder` with the column's packages; its Python's path."""
+    subprocess.run([uv(), "venv", "--quiet", "--python", environment.python, str(folder)],
+                   check=True)
+    python = str(folder / "bin" / "python")
+    subprocess.run([uv(), "pip", "install", "--quiet", "--python", python,
+                    *requirements(environment)], check=True)
+    return python
+
+
+def resolve_only(environment):
+    """For a Python this machine lacks: what requirements.txt resolves to for it (its markers
+    evaluated), from the registry, as {name: version}."""
+    pins = subprocess.run([uv(), "pip", "compile", "--quiet", "--no-header", "--python-version",
+                           environment.python_minor, "--python-platform", "x86_64-manylinux_2_28",
+                           *requirements(environment)], capture_output=True, text=True)
+    if pins.returncode != 0:
+        return {"error": _last_line_of(pins.stderr)}
+    found = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", pins.stdout, re.M))
+    return {name: found.get(name) for name in ("torch", "torchvision", "gymnasium", "numpy",
+                                                 "torchmonarch")}
+
+
+def _last_line_of(text):
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+# --------- The matrix --------------------
+
+def _save(state, path):
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
+    temporary.replace(path)
+
+
+def _minutes(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min" if seconds >= 3600 else \
+        f"{seconds // 60} min {seconds % 60} s"
+
+
+class Progress:
+    """The terminal's progress lines: which environment, which run, time so far, time left."""
+
+    def __init__(self, total_runs, done_runs, environments_left):
+        self.started = time.monotonic()
+        self.total, self.done = total_runs, done_runs
+        self.run_seconds = []
+        self.environments_left = environments_left
+        self.install_seconds = [25.0]
+
+    def estimate(self, jobs):
+        per_run = (sum(self.run_seconds) / len(self.run_seconds)) if self.run_seconds else 25.0
+        installs = self.environments_left * (sum(self.install_seconds) /
+                                             len(self.install_seconds))
+        return (self.total - self.done) * per_run / jobs + installs
+
+    def say(self, text, jobs):
+        elapsed = time.monotonic() - self.started
+        print(f"[{_minutes(elapsed)} so far, about {_minutes(self.estimate(jobs))} left] {text}",
+              flush=True)
+
+
+def run_matrix(args):
+    state = json.loads(args.state.read_text()) if args.state.exists() and not args.again else {}
+    state.setdefault("environments", {})
+    if args.here:
+        chosen = [Environment(args.label, "{}.{}".format(*sys.version_info[:2]), None,
+                              sys.executable)]
+    else:
+        chosen = [e for e in environments(args.python)
+                  if not args.env or any(e.label.startswith(p) for p in args.env)]
+    programs = [p for p in PROGRAMS if not args.program or p.key in args.program]
+    jobs = args.jobs
+
+    def pending(environment):
+        recorded = state["environments"].get(environment.label, {}).get("runs", {})
+        return [(p, m) for p in programs for m in p.modes if f"{p.key} {m}" not in recorded]
+
+    todo = {e.label: pending(e) for e in chosen if e.python}
+    total = sum(len(runs) for runs in todo.values())
+    done_before = sum(len(p.modes) for e in chosen if e.python for p in programs) - total
+    progress = Progress(total + done_before, done_before, sum(1 for r in todo.values() if r))
+    matrix_started = time.monotonic()
+    state["machine"] = machine()
+    try:
+        for environment in chosen:
+            record = state["environments"].setdefault(environment.label, {"runs": {}})
+            record["python_minor"] = environment.python_minor
+            if environment.python is None:
+                record["missing_python"] = True
+                record["resolved"] = resolve_only(environment)
+                progress.say(f"{environment.label}: no such Python here; resolved only: "
+                             f"{record['resolved']}", jobs)
+                _save(state, args.state)
+                continue
+            if not todo[environment.label]:
+                continue
+            run_environment(environment, record, todo[environment.label], progress, args,
+                            state)
+            progress.environments_left -= 1
+    except KeyboardInterrupt:
+        _stop_every_run()
+        state["seconds"] = state.get("seconds", 0) + time.monotonic() - matrix_started
+        _save(state, args.state)
+        print(f"\nStopped: {progress.done} of {progress.total} runs recorded in "
+              f"{args.state.relative_to(ROOT)}; `make versions` again picks up here.",
+              flush=True)
+        return 130
+    state["seconds"] = state.get("seconds", 0) + time.monotonic() - matrix_started
+    state["finished"] = datetime.date.today().isoformat()
+    _save(state, args.state)
+    print(f"Done: {progress.done} runs in {_minutes(time.monotonic() - matrix_started)} "
+          f"this time, {_minutes(state['seconds'])} in all.", flush=True)
+    if args.state == STATE:
+        write_report(state)
+    return 0
+
+
+def run_environment(environment, record, runs, progress, args, state):
+    """Make the environment (unless --here), run its pending runs, remove it."""
+    folder = Path(tempfile.mkdtemp(prefix="versions-", dir=args.scratch))
+    try:
+        if args.here:
+            python = environment.python
+        else:
+            progress.say(f"{environment.label}: installing", args.jobs)
+            started = time.monotonic()
+            try:
+                python = make_environment(environment, folder / "venv")
+            except subprocess.CalledProcessError as error:
+                record["install_error"] = f"install failed (status {error.returncode})"
+                progress.say(f"{environment.label}: {record['install_error']}", args.jobs)
+                _save(state, args.state)
+                return
+            progress.install_seconds.append(time.monotonic() - started)
+            record["install_seconds"] = round(time.monotonic() - started, 1)
+        record["versions"] = installed_versions(python)
+        # The examples import rpc_harness from this checkout, before what PYTHONPATH held.
+        python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env_vars = {**os.environ, "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"}
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env_vars.pop(name, None)
+        monarch = record["versions"].get("torchmonarch") is not None
+
+        def one(item):
+            program, mode = item
+            if program.monarch and not monarch:
+                return program, mode, {"ok": None, "seconds": 0, "why": "torchmonarch is "
+                                       "not installed (no wheel)", "last_line": ""}
+            run_folder = Path(tempfile.mkdtemp(prefix="run-", dir=folder))
+            # Each run's own short temporary folder: Monarch puts Unix sockets there.
+            run_env = {**env_vars, "TMPDIR": str(run_folder)}
+            try:
+                return program, mode, run_program(program, mode, python, run_env, run_folder)
+            finally:
+                shutil.rmtree(run_folder, ignore_errors=True)
+
+        pool = ThreadPoolExecutor(max_workers=args.jobs)
+        try:
+            for program, mode, result in pool.map(one, runs):
+                record["runs"][f"{program.key} {mode}"] = result
+                progress.done += 1
+                if result["seconds"]:
+                    progress.run_seconds.append(result["seconds"])
+                mark = {True: "ran", False: "FAILED", None: "does not apply"}[result["ok"]]
+                detail = f": {result['why']}; last line: {result['last_line']}" \
+                    if result["ok"] is False else ""
+                progress.say(f"{environment.label} {progress.done}/{progress.total} "
+                             f"{program.key} {mode}: {mark} ({result['seconds']:.0f} s)"
+                             f"{detail}", args.jobs)
+                _save(state, args.state)
+        except (KeyboardInterrupt, Stopped):
+            # The runs under way are killed first, so that the pool's threads end at once;
+            # what they were running is not recorded, and runs again next time.
+            _stop_every_run()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise KeyboardInterrupt from None
+        pool.shutdown(wait=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def machine():
+    """This machine in words: the processor, its cores, the GPU where there is one."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = ""
+    if shutil.which("nvidia-smi"):
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                               capture_output=True, text=True).stdout.split("\n")
+        gpu = f", {names[0].strip()}" if names and names[0].strip() else ""
+    return f"{platform.system()} {platform.machine()}, {model}, " \
+           f"{len(os.sched_getaffinity(0))} cores{gpu}"
+
+
+# --------- docs/versions.md --------------------
+
+MARKS = {"ran": "✓", "failed": "✗", "pending": "·", "none": "–"}
+
+
+def cell_mark(record, program):
+    """A cell's mark and its failing runs [(mode, result)]."""
+    if record.get("missing_python"):
+        return "none", []
+    if record.get("install_error"):
+        return "failed", [("install", {"why": record["install_error"], "last_line": ""})]
+    results = [(mode, record["runs"].get(f"{program.key} {mode}")) for mode in program.modes]
+    if all(result and result["ok"] is None for _, result in results):
+        return "none", []
+    failing = [(mode, result) for mode, result in results if result and result["ok"] is False]
+    if failing:
+        return "failed", failing
+    if any(result is None for _, result in results):
+        return "pending", []
+    return "ran", []
+
+
+def write_report(state, path=REPORT, gpu_state=None):
+    columns = list(state["environments"].items())
+    lines = ["# Which program runs on which torch and Python", "",
+             f"Written by `make versions` (bench/versions.py), last on "
+             f"{state.get('finished', 'an unfinished run')}, on {state.get('machine', '?')}: "
+             f"{_minutes(state.get('seconds', 0))} of running, installs included.",
+             "Each column is an environment of its own: a torch minor's newest patch on Python "
+             f"{columns[0][1].get('python_minor', '?') if columns else '?'}, or a Python on "
+             "the newest torch that has wheels for it. A cell is one program in that "
+             "environment, run in every launch mode it has (every rank from one command, a "
+             "rank a terminal, torchrun; the Monarch programs their own way) with its README's "
+             "first command made shorter by flags. ✓: every run exited 0 and learned what its "
+             "tests check at that size. ✗ n: note n below. ·: not run yet. –: does not apply "
+             "(no wheel, or no such Python on this machine).", ""]
+    header = "| program | " + " | ".join(label for label, _ in columns) + " |"
+    lines += [header, "|---" * (len(columns) + 1) + "|"]
+    versions_row = []
+    for _, record in columns:
+        found = record.get("versions") or record.get("resolved") or {}
+        versions_row.append(" ".join(f"{name.replace('torch', 'torch ')} {found[name]}"
+                                     if name != "python" else f"Python {found[name]}"
+                                     for name in ("python", "torch", "torchvision",
+                                                  "torchmonarch") if found.get(name)) or "?")
+    lines.append("| (installed) | " + " | ".join(versions_row) + " |")
+    notes = []
+    for program in PROGRAMS:
+        cells = []
+        for label, record in columns:
+            mark, failing = cell_mark(record, program)
+            if failing:
+                notes.append((label, program.key, failing))
+                cells.append(f"{MARKS['failed']} {len(notes)}")
+            else:
+                cells.append(MARKS[mark])
+        lines.append(f"| `{program.key}` | " + " | ".join(cells) + " |")
+    lines.append("")
+    for label, record in columns:
+        if record.get("missing_python"):
+            resolved = record.get("resolved", {})
+            lines.append(f"{label}: this machine has no such Python, so nothing ran. Its "
+                         f"markers, evaluated by uv for it, give: "
+                         + ", ".join(f"{name} {version or 'none'}"
+                                     for name, version in resolved.items()) + ".")
+            lines.append("")
+    if notes:
+        lines += ["## Runs that did not count", ""]
+        for number, (label, key, failing) in enumerate(notes, 1):
+            for mode, result in failing:
+                lines.append(f"{number}. `{key}`, {label}, {mode}: {result['why']}. Last line: "
+                             f"`{result['last_line']}`")
+        lines.append("")
+    path.write_text("\n".join(lines))
+    print(f"Wrote {path.relative_to(ROOT)}", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--env", action="append",
+                        help="run only the environments whose label starts with this "
+                             "(\"torch 2.6\", \"Python 3.12\"); again for more")
+    parser.add_argument("--program", action="append", choices=[p.key for p in PROGRAMS],
+                        help="run only this entry point; again for more")
+    parser.add_argument("--python", default=sys.executable,
+                        help="the Python of the torch columns (default: this one)")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="runs at a time (default: 2: ranks spend much of a run waiting)")
+    parser.add_argument("--again", action="store_true",
+                        help="forget the recorded runs and start over")
+    parser.add_argument("--here", action="store_true",
+                        help="one environment: this Python as it is, nothing installed")
+    parser.add_argument("--label", default="this Python",
+                        help="--here's column label")
+    parser.add_argument("--state", type=Path, default=STATE,
+                        help=f"the recorded runs (default: {STATE.relative_to(ROOT)})")
+    parser.add_argument("--scratch", type=Path, default=None,
+                        help="where environments are made (default: the temporary folder)")
+    parser.add_argument("--report", action="store_true",
+                        help="write docs/versions.md from the recorded runs, and run nothing")
+    args = parser.parse_args()
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
+    if args.report:
+        write_report(json.loads(args.state.read_text()))
+        return 0
+    args.state.parent.mkdir(parents=True, exist_ok=True)
+    return run_matrix(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
