@@ -12,11 +12,14 @@ about 6 GB):
                            its markers give), and its cells say that it was not run
 
 In each environment, every entry point runs its README's first command shortened by flags only,
-in every launch mode it has: every rank from one command (`spawn-all`), a rank a process as a
-terminal each (`per-rank`, the last rank first), `torchrun`; the Monarch programs their own
-way (`monarch`). A run counts only when it exits 0 and its summary shows that it learned what
-its tests check at that size (LEARNED below). A cell (an entry point on one environment) is
-marked ran when every one of its runs counted; otherwise it holds each failing run's last line.
+in every launch mode it has. From one command (`spawn-all`, every rank; the Monarch programs'
+own way, `monarch`) it runs long enough to learn, and counts only when it exits 0 and its
+summary shows that it learned what its tests check at that size (Program.learned below). A rank
+a process, as a terminal each (`per-rank`, the last rank started first), and `torchrun` start
+the same program another way: there it runs to the end at its smallest (tests/conftest.py's
+RUNS), and counts when it exits 0, has written its summary and left nothing running. A cell (an
+entry point on one environment) is marked ran when every one of its runs counted; otherwise it
+holds each failing run's last line.
 
 Installs use uv with its cache (one torch download is shared by every environment that uses
 it): 20 to 30 s an environment here, against minutes with pip. The results go to
@@ -45,7 +48,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -184,13 +187,16 @@ def _schedules(summary):
 
 @dataclass
 class Program:
-    """An entry point: its folder and script, its world, its short run's flags, and the check
-    of its summary and output (None when it learned, else what it did not)."""
+    """An entry point: its script, its world and flags for a run that learns, the check of that
+    run's summary and output (None when it learned, else what it did not), and the smallest
+    world and flags of a complete run (tests/conftest.py's RUNS), for the other launch modes."""
 
     key: str
     world_size: int
     flags: list
     learned: object
+    quick_world_size: int = 2
+    quick: list = field(default_factory=list)
     monarch: bool = False
 
     @property
@@ -203,28 +209,36 @@ class Program:
 
 
 PARAM_SERVER = ["--dataset", "synthetic", "--max_batches", "60", "--log_interval", "20"]
+PARAM_SERVER_QUICK = ["--dataset", "synthetic", "--max_batches", "5"]
 PIPELINE = ["--num_split", "2", "--batch_size", "16", "--lr", "0.02"]
+PIPELINE_QUICK = ["--num_split", "2", "--batch_size", "4", "--num_batches", "2"]
 PROGRAMS = [
-    Program("param_server/main.py", 3, PARAM_SERVER, _accuracy_at_least(0.5)),
-    Program("param_server/batch.py", 3, PARAM_SERVER, _accuracy_at_least(0.7)),
+    Program("param_server/main.py", 3, PARAM_SERVER, _accuracy_at_least(0.5), 2,
+            PARAM_SERVER_QUICK),
+    Program("param_server/batch.py", 3, PARAM_SERVER, _accuracy_at_least(0.7), 3,
+            PARAM_SERVER_QUICK),
     Program("param_server/actors.py", 3, PARAM_SERVER, _accuracy_at_least(0.7), monarch=True),
     Program("rl_cartpole/main.py", 2, ["--max_episodes", "60", "--log_interval", "1"],
-            _rewards_rose(1.5)),
+            _rewards_rose(1.5), 2, ["--max_episodes", "5"]),
     Program("rl_cartpole/batch.py", 3, ["--max_episodes", "30", "--log_interval", "1"],
-            _rewards_rose(1.3)),
+            _rewards_rose(1.3), 3, ["--max_episodes", "5"]),
     Program("rl_cartpole/actors.py", 2, ["--max_episodes", "60", "--log_interval", "1"],
             _rewards_rose(1.5), monarch=True),
-    Program("rnn_model_parallel/main.py", 2, ["--epochs", "4"], _loss_fell(0.6)),
-    Program("ddp_rpc_hybrid/main.py", 4, ["--epochs", "10"], _loss_fell(0.5)),
-    Program("ddp_rpc_hybrid/remote_module.py", 4, ["--epochs", "10"], _loss_fell(0.5)),
+    Program("rnn_model_parallel/main.py", 2, ["--epochs", "4"], _loss_fell(0.6), 2,
+            ["--epochs", "1", "--max_batches", "20"]),
+    Program("ddp_rpc_hybrid/main.py", 4, ["--epochs", "10"], _loss_fell(0.5), 3,
+            ["--epochs", "2"]),
+    Program("ddp_rpc_hybrid/remote_module.py", 4, ["--epochs", "10"], _loss_fell(0.5), 3,
+            ["--epochs", "2"]),
     Program("pipeline_parallel/main.py", 3, [*PIPELINE, "--num_batches", "12"],
             _loss_fell(0.8, first_of=lambda s: s["splits"]["2"]["first_loss"],
-                       last_of=lambda s: s["splits"]["2"]["last_loss"])),
+                       last_of=lambda s: s["splits"]["2"]["last_loss"]), 3, PIPELINE_QUICK),
     Program("pipeline_parallel/pipelining.py", 2, [*PIPELINE, "--num_batches", "10"],
             _loss_fell(0.8, first_of=lambda s: {k: v["first_loss"] for k, v in
                                                 _schedules(s).items()},
-                       last_of=lambda s: {k: v["last_loss"] for k, v in _schedules(s).items()})),
-    Program("rpc_profiling/main.py", 2, [], _profiled),
+                       last_of=lambda s: {k: v["last_loss"] for k, v in _schedules(s).items()}),
+            2, PIPELINE_QUICK),
+    Program("rpc_profiling/main.py", 2, [], _profiled, 2, []),
 ]
 
 
@@ -295,23 +309,25 @@ def run_program(program, mode, python, env_vars, folder):
     """Run `program` in `mode` with `python`; a result: ok, seconds, last_line, why (None
     when it ran and learned)."""
     summary = folder / "summary.json"
-    flags = [*program.flags, "--summary_json", str(summary)]
+    # What it learns, from one command and in Monarch's way; the other modes start the same
+    # program another way, and run it to the end at its smallest.
+    learns = mode in ("spawn-all", "monarch")
+    world = str(program.world_size if learns else program.quick_world_size)
+    flags = [*(program.flags if learns else program.quick), "--summary_json", str(summary)]
     if program.key == "rpc_profiling/main.py":
         flags += ["--profile", str(folder / "traces")]
     script = str(program.script)
     port = str(_free_port())
     if mode == "spawn-all":
-        commands = [[python, script, "--world_size", str(program.world_size), *flags,
-                     "--master_port", port]]
+        commands = [[python, script, "--world_size", world, *flags, "--master_port", port]]
     elif mode == "per-rank":
-        commands = [[python, script, "--world_size", str(program.world_size), "--rank",
-                     str(rank), *flags, "--master_port", port]
-                    for rank in range(program.world_size)]
+        commands = [[python, script, "--world_size", world, "--rank", str(rank), *flags,
+                     "--master_port", port] for rank in range(int(world))]
     elif mode == "torchrun":
-        commands = [[python, "-m", "torch.distributed.run", "--nproc_per_node",
-                     str(program.world_size), "--master_port", port, script, *flags]]
+        commands = [[python, "-m", "torch.distributed.run", "--nproc_per_node", world,
+                     "--master_port", port, script, *flags]]
     else:
-        commands = [[python, script, "--world_size", str(program.world_size), *flags]]
+        commands = [[python, script, "--world_size", world, *flags]]
     started = time.monotonic()
     logs = [folder / f"terminal{index}.log" for index in range(len(commands))]
     processes = []
@@ -344,7 +360,8 @@ def run_program(program, mode, python, env_vars, folder):
             why = "no summary written"
         else:
             try:
-                why = program.learned(json.loads(summary.read_text()), output)
+                figures = json.loads(summary.read_text())
+                why = program.learned(figures, output) if learns else None
             except (KeyError, TypeError, ValueError) as error:
                 why = f"its summary lacks a figure ({error!r})"
     return {"ok": why is None, "seconds": round(seconds, 1), "last_line": last_line, "why": why}
@@ -617,9 +634,11 @@ def write_report(state, path=REPORT, gpu_state=None):
              "the newest torch that has wheels for it. A cell is one program in that "
              "environment, run in every launch mode it has (every rank from one command, a "
              "rank a terminal, torchrun; the Monarch programs their own way) with its README's "
-             "first command made shorter by flags. ✓: every run exited 0 and learned what its "
-             "tests check at that size. ✗ n: note n below. ·: not run yet. –: does not apply "
-             "(no wheel, or no such Python on this machine).", ""]
+             "first command made shorter by flags. ✓: every run exited 0 and left nothing "
+             "running; the run from one command (or Monarch's) also learned what its tests "
+             "check at that size, and the others, at their smallest, wrote their summary. "
+             "✗ n: note n below. ·: not run yet. –: does not apply (no wheel, or no such "
+             "Python on this machine).", ""]
     header = "| program | " + " | ".join(label for label, _ in columns) + " |"
     lines += [header, "|---" * (len(columns) + 1) + "|"]
     versions_row = []
