@@ -712,6 +712,8 @@ def main():
         write_report(json.loads(args.state.read_text()))
         return 0
     args.state.parent.mkdir(parents=True, exist_ok=True)
+    # `kill` (SIGTERM) stops it as Ctrl-C does: what was recorded stays, for the next run.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     return run_matrix(args)
 
 
