@@ -474,13 +474,16 @@ def run_matrix(args):
     programs = [p for p in PROGRAMS if not args.program or p.key in args.program]
     jobs = args.jobs
 
+    def modes(program):
+        return [mode for mode in program.modes if not args.mode or mode in args.mode]
+
     def pending(environment):
         recorded = state["environments"].get(environment.label, {}).get("runs", {})
-        return [(p, m) for p in programs for m in p.modes if f"{p.key} {m}" not in recorded]
+        return [(p, m) for p in programs for m in modes(p) if f"{p.key} {m}" not in recorded]
 
     todo = {e.label: pending(e) for e in chosen if e.python}
     total = sum(len(runs) for runs in todo.values())
-    done_before = sum(len(p.modes) for e in chosen if e.python for p in programs) - total
+    done_before = sum(len(modes(p)) for e in chosen if e.python for p in programs) - total
     progress = Progress(total + done_before, done_before, sum(1 for r in todo.values() if r))
     matrix_started = time.monotonic()
     state["machine"] = machine()
@@ -689,6 +692,9 @@ def main():
                              "(\"torch 2.6\", \"Python 3.12\"); again for more")
     parser.add_argument("--program", action="append", choices=[p.key for p in PROGRAMS],
                         help="run only this entry point; again for more")
+    parser.add_argument("--mode", action="append", choices=[*MODES, "monarch"],
+                        help="run only this launch mode; again for more (the runs that learn "
+                             "first: --mode spawn-all --mode monarch)")
     parser.add_argument("--python", default=sys.executable,
                         help="the Python of the torch columns (default: this one)")
     parser.add_argument("--jobs", type=int, default=2,
