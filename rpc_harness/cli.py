@@ -8,6 +8,7 @@ import contextlib
 import os
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -188,6 +189,8 @@ def check_args(parser, args, worker_name, computes=None, loops=None, summary=Non
     _check_address(parser, args)
     if getattr(args, "profile", None) and loops is not None:
         check_folder(parser, "--profile", args.profile)
+    if args.summary_json and args.rank in (None, 0):  # rank 0 writes it
+        check_file(parser, "--summary_json", args.summary_json)
     world = range(args.world_size)
     computing = [rank for rank in world if computes and computes(rank, args.world_size)]
     shared = sorted(set(vars(args)) - PER_RANK - set(per_rank))
@@ -238,6 +241,25 @@ def check_folder(parser, flag, folder):
         parser.error(f"{flag} {folder}: cannot make that folder ({err.strerror or err})")
     if not os.access(folder, os.W_OK | os.X_OK):
         parser.error(f"{flag} {folder}: cannot write in that folder")
+
+
+def check_file(parser, flag, path):
+    """A file that the run writes at its end: checked before any rank starts, so that a long run
+    does not end without it. Its folder must be there and take a new file (one is made and
+    removed), and the file, where it is there already, must be a file that can be written;
+    otherwise one line naming the flag, status 2."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        parser.error(f"{flag} {path}: that is a folder, not a file")
+    if not os.path.isdir(folder):
+        parser.error(f"{flag} {path}: no such folder ({folder})")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        parser.error(f"{flag} {path}: cannot write that file")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".rpc_harness-check-"):
+            pass
+    except OSError as err:
+        parser.error(f"{flag} {path}: cannot write in {folder} ({err.strerror or err})")
 
 
 # --------- Threads --------------------

@@ -89,6 +89,10 @@ def excepthook(kind, value, traceback):
     ends, status 1. Either way the ranks are stopped first (mp.spawn has stopped them already
     when it reports one)."""
     ending.claim()
+    if isinstance(value, BrokenPipeError) and ending.output_closed():
+        # The command's own output is a pipe that nobody reads any more: end quietly.
+        _stop_ranks()
+        _end(None, ending.PIPE_CLOSED)
     if isinstance(value, mp.ProcessExitedException):
         _stop_ranks()
         _end_for(value.error_index, value.exit_code, "; stopped the other ranks")
@@ -123,6 +127,8 @@ def _end_for(rank, code, suffix):
     if code < 0:  # killed by a signal: a status as a shell gives a killed command
         _end(f"{who} was killed by {signal_name(-code)}{suffix}", 128 - code)
     records = ending.read_records(_plan.records)
+    if records and records[0]["status"] == ending.PIPE_CLOSED:
+        _end(None, ending.PIPE_CLOSED)  # the output that `| head` stopped reading: quietly
     if records:
         _end(records[0]["line"] + suffix, records[0]["status"])
     _end(f"{who} exited with status {code}{suffix}", code)

@@ -16,6 +16,7 @@ command reads the records (read_records) and says the earliest in its terminal."
 import contextlib
 import json
 import os
+import select
 import signal
 import threading
 import time
@@ -24,6 +25,10 @@ from typing import NoReturn
 
 # How long the last line may take to reach the terminal before the process ends anyway.
 WRITE_SECONDS = 2.0
+
+# The status that a shell gives a program whose output pipe closed under it (`git log | head`:
+# the reader stopped reading, and SIGPIPE ended the writer): 128 + SIGPIPE.
+PIPE_CLOSED = 128 + signal.SIGPIPE
 
 # Held by the thread that ends this process, from claim() to os._exit.
 _claim = threading.Lock()
@@ -69,6 +74,16 @@ def quiet():
         os.dup2(nowhere, 2)
         os.close(nowhere)
     return _terminal
+
+
+def output_closed():
+    """Whether this process's standard output or error is a pipe that nobody reads any more: the
+    program it fed has stopped reading (`| head` has its lines, `less` has quit). Linux reports
+    an error (POLLERR) on the writing end of such a pipe, and nothing on a terminal or a file."""
+    poller = select.poll()
+    for descriptor in (1, 2) if _terminal is None else (_terminal,):
+        poller.register(descriptor, 0)  # POLLERR is reported whatever is asked for
+    return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
 def say(terminal, text):

@@ -22,6 +22,7 @@ from .cli import (
     ArgumentParser,
     add_shared_arguments,
     address_towards,
+    check_file,
     check_folder,
     int_at_least,
     omp_num_threads,
@@ -31,7 +32,7 @@ from .cli import (
 )
 from .profiling import WARMUP_STEPS, Recorder, write_timeline
 from .rank import whole_lines
-from .summary import peak_memory_mb, write_summary
+from .summary import NotWritten, peak_memory_mb, write_summary
 
 __all__ = ["ArgumentParser", "int_at_least", "positive_float", "unit_interval",
            "share_of_the_cores", "Recorder", "write_timeline", "peak_memory_mb",
@@ -119,14 +120,16 @@ def add_arguments(parser):
 
 def check_args(parser, args, count, what):
     """What argparse cannot check: OMP_NUM_THREADS, if set; --profile's folder, made if missing;
-    --workers, each tcp://HOST:PORT, sharing `count` processes (of `what`) equally. Bad input:
-    one line, status 2. With --profile, KINETO_LOG_LEVEL=6 unless set, in this process's
-    environment, which Monarch's processes inherit: the profiler's library logs each start and
-    stop."""
+    --summary_json's folder, which must take the file; --workers, each tcp://HOST:PORT, sharing
+    `count` processes (of `what`) equally. Bad input: one line, status 2. With --profile,
+    KINETO_LOG_LEVEL=6 unless set, in this process's environment, which Monarch's processes
+    inherit: the profiler's library logs each start and stop."""
     omp_num_threads(parser)
     if args.profile:
         check_folder(parser, "--profile", args.profile)
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    if args.summary_json:
+        check_file(parser, "--summary_json", args.summary_json)
     if not args.workers:
         return
     workers = args.workers.split(",")
@@ -187,12 +190,15 @@ def one_line_on_failure(role):
     - no answer within --call_timeout (a hung process): one line, status 1;
     - an error raised in an endpoint: the actor's traceback, then one line, status 1;
     - Ctrl-C: "interrupted; stopped every process", 130; SIGTERM, 143;
+    - its output a pipe that nobody reads any more (`| head`): nothing more, status 141;
+    - --summary_json not written at the end: one line, status 1, after the Summary line;
     - done: the body has printed the run's last line; status 0, without Python's exit, at which
       Monarch's threads aborted the process ("FATAL: exception not rethrown", 1 run in 2)."""
     import monarch.actor
 
     def on_fault(failure):
         # Runs on a Monarch thread; it must not raise (Monarch would print its own report).
+        end_quietly_if_the_output_is_closed()
         try:
             line = describe(failure, role)
         except Exception as err:  # noqa: BLE001 - the line, whatever the failure's text
@@ -207,9 +213,12 @@ def one_line_on_failure(role):
     ending.on_signals(on_signal)
     try:
         yield
+    except NotWritten as err:  # the Summary line is printed: the file alone is lost
+        end(str(err), 1)
     except TimeoutError as err:
         end(f"{err}; stopped every process", 1)
     except monarch.actor.ActorError as err:  # raised in an endpoint, which goes on serving
+        end_quietly_if_the_output_is_closed()
         # An endpoint that awaited another actor's endpoint passes its error on, wrapped:
         # the innermost is the one that says what went wrong.
         while isinstance(err.exception, monarch.actor.ActorError):
@@ -221,12 +230,20 @@ def one_line_on_failure(role):
         end(f"{err.message.rstrip('.')} ({what}); stopped every process", 1,
             before=err.exception_formatted)
     except Exception:  # noqa: BLE001 - any other error: its traceback, then the end
+        end_quietly_if_the_output_is_closed()
         # A call to an actor whose process failed raises here (Monarch's SupervisionError) as
         # the same failure reaches on_fault, which names the process. Otherwise the error is
         # not one of those expected: printed whole.
         ending.wait_for_a_cause(2)
         end(None, 1, before=traceback.format_exc())
     end(None, 0)
+
+
+def end_quietly_if_the_output_is_closed():
+    """Where this command's output is a pipe that nobody reads any more (`| head` has its
+    lines), whatever failed, failed of that: end quietly, with the status a shell expects."""
+    if ending.output_closed():
+        end(None, ending.PIPE_CLOSED)
 
 
 def end(line, status, before=None):

@@ -40,7 +40,7 @@ from . import ending
 from .cli import CORES
 from .command import signal_when_the_parent_dies
 from .profiling import write_timeline
-from .summary import peak_memory_mb, write_summary
+from .summary import NotWritten, peak_memory_mb, write_summary
 
 HEARTBEAT_SECONDS = 1.0
 # How long rank 0 waits, once it is done, for the others to say "bye" with their figures.
@@ -146,7 +146,14 @@ class Rank:
         self._ask("bye", json.dumps(self.figures))
         self.byes_done.wait(BYE_SECONDS)
         if self.rank == 0:
-            self._write_summary()
+            try:
+                self._write_summary()
+            except NotWritten as error:
+                self.end(f"{self.name}: {error}", 1)
+            except OSError:
+                if not ending.output_closed():
+                    raise
+                self.end("", ending.PIPE_CLOSED)  # its last lines had nobody to read them
         ending.end(None, 0)
 
     def _write_summary(self):
@@ -173,7 +180,12 @@ class Rank:
     def fail(self, error) -> NoReturn:
         """The rank's function raised `error` (None: it returned with RPC or its process group
         still up). Unless a lost peer shows itself as the cause within CAUSE_SECONDS: print
-        the traceback, and ask the loop to tell the peers and end the rank, status 1."""
+        the traceback, and ask the loop to tell the peers and end the rank, status 1. Where
+        the rank's output is a pipe that nobody reads any more (`| head` has its lines), what
+        it raised is only that: the rank ends quietly, PIPE_CLOSED, and so does the run."""
+        if ending.output_closed():
+            self._ask("output_closed", None)
+            ending.wait_forever()
         ending.wait_for_a_cause(CAUSE_SECONDS)
         if error is not None:
             traceback.print_exception(type(error), error, error.__traceback__)
@@ -213,9 +225,11 @@ class Rank:
         for byte in os.read(pipe, 512):
             if byte in SIGNALS:
                 self._on_signal(byte)
+        handlers = {"peers": self._on_peers, "bye": self._on_bye, "fail": self._on_fail,
+                    "output_closed": self._on_output_closed}
         while not self.requests.empty():
             kind, payload = self.requests.get()
-            getattr(self, f"_on_{kind}")(payload)
+            handlers[kind](payload)
 
     def _on_signal(self, number):
         """Ctrl-C or SIGTERM: the rank ends at once, with 128 + the signal's number. SIGHUP: the
@@ -248,6 +262,12 @@ class Rank:
 
     def _on_fail(self, what):
         self.end(f"{self.name}: failed ({what})", 1, tell=f"failed {self.rank} {what}")
+
+    def _on_output_closed(self, _):
+        """The rank's output is a pipe that nobody reads: a record with nothing to say, which
+        the command follows quietly; the peers learn why this rank stopped."""
+        self.end("", ending.PIPE_CLOSED,
+                 tell=f"failed {self.rank} its output was closed, a pipe that nobody reads")
 
     def _on_data(self, peer, sock):
         try:
@@ -314,16 +334,17 @@ class Rank:
     # --------- The end --------------------
 
     def end(self, line, status, tell=None, resume=None) -> NoReturn:
-        """End this rank now, with `line` as its record (None: none) and `status`. The rank goes
-        quiet: what its threads print from now on (RPC's errors of the calls that meet a lost
-        peer, a line of the program's loop) goes nowhere. The record comes next, so that the
-        records of the peers that end because of this rank come later; then `tell` goes to the
-        peers, and SIGCONT to the process `resume`. The connections to the peers close, so that
-        they learn from them, not from a failed RPC, that this rank has gone; then its --profile
-        trace is written (3 s at most)."""
+        """End this rank now, with `line` as its record (None: no record; "": a record with
+        nothing to say) and `status`. The rank goes quiet: what its threads print from now on
+        (RPC's errors of the calls that meet a lost peer, a line of the program's loop) goes
+        nowhere. The record comes next, so that the records of the peers that end because of
+        this rank come later; then `tell` goes to the peers, and SIGCONT to the process
+        `resume`. The connections to the peers close, so that they learn from them, not from a
+        failed RPC, that this rank has gone; then its --profile trace is written (3 s at
+        most)."""
         ending.claim()
         ending.quiet()
-        if line:
+        if line is not None:
             ending.write_record(self.args.harness.records, self.rank, self.name, line, status)
         if tell:
             self._send_to_all(f"{tell}\n".encode())

@@ -11,12 +11,22 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, RUNS, TCP, _processes, example_command, find_free_port
+from conftest import (
+    ROOT,
+    RUNS,
+    TCP,
+    _processes,
+    example_command,
+    find_free_port,
+    needs_monarch,
+    start_example,
+)
 
 from rpc_harness.compat import profiler_options
 
@@ -466,3 +476,97 @@ def test_ranks_on_two_hosts(two_hosts, runs, tmp_path):
         process.wait(timeout=120)
         assert process.returncode == 0, process.output
     assert (tmp_path / "summary.json").exists()
+
+
+# --------- Output that nobody reads, and files that cannot be written --------------------
+
+def _read_lines_then_close(cmd, lines, tmp_path, timeout=120):
+    """Start `cmd` with its standard output into a pipe, as `cmd | head -LINES` does: read that
+    many lines, then close the pipe. Its standard error goes to a file, as to a terminal that
+    still shows it. Returns (the process, ended, what it wrote on standard error)."""
+    err_path = tmp_path / f"stderr-{len(list(tmp_path.glob('stderr-*')))}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
+    with open(err_path, "w") as err:
+        process = subprocess.Popen([str(part) for part in cmd], stdout=subprocess.PIPE,
+                                   stderr=err, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        for _ in range(lines):
+            assert process.stdout.readline(), "the run ended before it printed enough lines"
+        process.stdout.close()
+        process.wait(timeout=timeout)
+        left = _processes(lambda stat: stat[2] == process.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    return process, left, err_path.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["main.py", "actors.py"])
+def test_a_closed_pipe_ends_the_run_quietly(script, tmp_path):
+    """`python rl_cartpole/main.py | head -3`, every rank from one command, and the Monarch
+    program: once the pipe is closed, every process ends, nothing is said (no traceback), and
+    the status is the one a shell gives a writer whose pipe closed (141)."""
+    if script == "actors.py":
+        needs_monarch()
+    cmd = example_command("rl_cartpole", "--max_episodes", 100000, "--log_interval", 1,
+                          *(() if script == "actors.py" else
+                            (*TCP, "--master_port", find_free_port())), script=script)
+    process, left, stderr = _read_lines_then_close(cmd, 3, tmp_path)
+    assert process.returncode == 128 + signal.SIGPIPE, stderr
+    assert "Traceback" not in stderr and "Error" not in stderr, stderr
+    assert not left
+
+
+@pytest.mark.slow
+def test_a_rank_whose_pipe_closed_is_named_by_its_peers(runs, tmp_path):
+    """A rank a terminal: rank 0's output piped into a program that stops reading. Rank 0 ends
+    quietly (141); the other terminal says why in one line."""
+    config = RUNS["rl_cartpole"]
+    port = find_free_port()
+    observer = start(runs, "rl_cartpole", "--master_port", port, rank=1, endless=True,
+                     merged=True)
+    agent_cmd = example_command(config.name, *config.endless, *TCP, "--world_size",
+                                config.world_size, "--rank", 0, "--master_port", port)
+    process, left, stderr = _read_lines_then_close(agent_cmd, 3, tmp_path)
+    assert process.returncode == 128 + signal.SIGPIPE, stderr
+    assert "Traceback" not in stderr, stderr
+    assert not left
+    observer.wait(timeout=EXIT_BOUND_SECONDS + 30)
+    assert observer.returncode == 1, observer.output
+    assert "agent (rank 0)" in observer.last_line and "output was closed" in observer.last_line
+    assert not observer.leftovers()
+
+
+@pytest.mark.parametrize("script", ["main.py", "actors.py"])
+def test_a_summary_file_that_cannot_be_written_is_refused_before_any_rank_starts(script,
+                                                                               tmp_path):
+    if script == "actors.py":
+        needs_monarch()
+    missing = tmp_path / "no such folder" / "summary.json"
+    run = start_example("rl_cartpole", "--max_episodes", 3, "--summary_json", missing,
+                        script=script).wait(timeout=60)
+    assert run.returncode == 2, run.output
+    assert run.stdout == ""  # nothing started
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert "--summary_json" in run.stderr and str(missing.parent) in run.stderr
+
+
+@pytest.mark.slow
+def test_a_summary_file_lost_at_the_end_is_told_after_the_figures(runs, tmp_path):
+    """The folder of --summary_json goes away mid-run (as a disk fills): the Summary line is
+    printed, then one line naming the file, status 1."""
+    folder = tmp_path / "going"
+    folder.mkdir()
+    run = start(runs, "rl_cartpole", "--max_episodes", 40, "--log_interval", 1,
+                "--summary_json", folder / "summary.json", "--master_port", find_free_port(),
+                merged=True)
+    run.wait_for_output(r"^Episode 2\t", timeout=120)
+    folder.rmdir()
+    run.wait(timeout=120)
+    assert run.returncode == 1, run.output
+    lines = [line for line in run.output.splitlines() if line.strip()]
+    assert lines[-2].startswith("Summary: 40 episodes"), run.output
+    assert "--summary_json" in lines[-1] and "not written" in lines[-1], run.output
+    assert not run.leftovers()
