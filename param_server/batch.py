@@ -242,7 +242,9 @@ def parse_args(argv=None):
     with --batch_update_size, checked as main.py checks its own."""
     parser = make_parser(
         "The batch RPC tutorial's parameter server: synchronous steps, each on the gradients "
-        "of --batch_update_size trainers.")
+        "of --batch_update_size trainers.", num_gpus=False)
+    # No --num_gpus: the server's Net is on the CPU. check_args reads the value, so it is 0.
+    parser.set_defaults(num_gpus=0)
     add_step_arguments(parser)
     parser.add_argument("--batch_update_size", type=rpc_harness.int_at_least(1), default=None,
                         metavar="N", help="gradients in each step (default: the number of "

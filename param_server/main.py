@@ -251,7 +251,8 @@ def run(rank, world_size, args):  # ours: (above): this rank's part of __main__ 
 # --------- Launcher --------------------
 
 
-def make_parser(description="Parameter-Server RPC based training"):  # ours: batch.py's too
+def make_parser(description="Parameter-Server RPC based training",  # ours: batch.py's too,
+                num_gpus=True):  # ours: which leaves out --num_gpus (its server is on the CPU)
     parser = rpc_harness.ArgumentParser(  # ours: errors in one line, every default in --help
         description=description)  # ours: batch.py's own
     parser.add_argument(
@@ -265,12 +266,13 @@ def make_parser(description="Parameter-Server RPC based training"):  # ours: bat
         type=int,
         default=None,
         help="Global rank of this process. Pass in 0 for master.")
-    parser.add_argument(
-        "--num_gpus",
-        type=int,
-        default=0,
-        help="""Number of GPUs to use for training, currently supports between 0
-         and 2 GPUs. Note that this argument will be passed to the parameter servers.""")
+    if num_gpus:  # ours: not for batch.py (make_parser's num_gpus)
+        parser.add_argument(
+            "--num_gpus",
+            type=int,
+            default=0,
+            help="""Number of GPUs to use for training, currently supports between 0
+             and 2 GPUs. Note that this argument will be passed to the parameter servers.""")
     parser.add_argument(
         "--master_addr",
         type=str,
