@@ -1021,8 +1021,10 @@ def write_solves(solves):
                      f"{s['env_steps']} | {s['training_seconds']:.0f} s | "
                      f"{s['wall_seconds']:.0f} s | {s['steps_per_second']:.0f} |")
     lines += ["", "The episodes to solve vary from run to run even at one seed: runs drift apart "
-              "after some tens of episodes (see \"Seeding and reproducibility\" in "
-              "[rl_cartpole/README.md](../rl_cartpole/README.md))."]
+              "after some tens of episodes. The agent's forward passes run on whichever RPC "
+              "thread takes the request, so the backward pass adds up the gradients in an order "
+              "that varies. The weights then differ in their last bits, and in time an action "
+              "comes out differently."]
     (BENCH / "SOLVE.md").write_text("\n".join(lines) + "\n")
 
 

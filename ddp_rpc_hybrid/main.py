@@ -1,5 +1,6 @@
 """Combining Distributed DataParallel with Distributed RPC Framework, the tutorial's first
-revision (2020): its code, in its order. With N trainers (world size N + 2): ranks 0..N-1 are the
+revision (2020): its code, in the order of the pytorch/examples script it came from (the model
+first; the page shows run_worker first). With N trainers (world size N + 2): ranks 0..N-1 are the
 trainers, rank N the master, rank N+1 the parameter server ps, which holds an nn.EmbeddingBag;
 each trainer looks its bags up there through RPC and runs an nn.Linear replicated under DDP.
 remote_module.py is the 2021 revision, with a RemoteModule.
@@ -53,8 +54,8 @@ class HybridModel(torch.nn.Module):
         return self.fc(emb_lookup.to(self.device))  # ours: .to, not .cuda: the CPU too
 
 
-def _retrieve_embedding_parameters(emb_rref):
-    return [RRef(p) for p in emb_rref.local_value().parameters()]
+def _retrieve_embedding_parameters(emb_rref):  # ours: the script's one line, for the page's loop
+    return [RRef(p) for p in emb_rref.local_value().parameters()]  # ours: (above)
 
 
 def _run_trainer(emb_rref, rank, args):  # ours: args, the run's length and seed

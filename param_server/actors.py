@@ -12,6 +12,11 @@ each gets its own copy of the new model. main.py's way, a remote forward pass th
 distributed autograd and DistributedOptimizer, has no Monarch counterpart: Monarch has no
 autograd across processes (ACTORS.md).
 
+Built from batch.py, whose training it does, written as Monarch's documentation writes actors
+(https://meta-pytorch.org/monarch/, torchmonarch 0.7.0): Actor classes, async endpoints, calls
+to whole meshes. Each line that is neither batch.py's work nor Monarch's way of writing it, but
+this project's (bounded waits, --profile, the summary), ends with "# ours:" and why.
+
     python actors.py --dataset synthetic             # a parameter server and 3 trainers
 """
 
@@ -25,16 +30,16 @@ import torch.nn.functional as F
 from torch import optim
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-try:
+try:  # ours: this project's package, or one line that says how to install it
     from rpc_harness import monarch_runs
-except ModuleNotFoundError:
+except ModuleNotFoundError:  # ours: (above)
     raise SystemExit("rpc_harness, this project's package, is missing: install it with "
                      "`pip install -e PATH`, PATH being the repository's folder (the one that "
                      "holds pyproject.toml), or run `make run` there") from None
 
-# Monarch's own names. monarch_runs.import_monarch() says in one line what is missing (status
-# 2) where torchmonarch is not installed.
-monarch = monarch_runs.import_monarch()
+# Monarch's own names. ours: monarch_runs.import_monarch() says in one line what is missing
+# (status 2) where torchmonarch is not installed.
+monarch = monarch_runs.import_monarch()  # ours: (above)
 from monarch.actor import (  # noqa: E402
     Actor,
     concurrent_endpoint,
@@ -51,6 +56,7 @@ from main import Net, get_accuracy  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
+# ours: the weights and gradients as numpy arrays, which moved faster than tensors (below)
 def as_message(tensors):
     """Tensors as one flat numpy array, for a message. Monarch pickles a tensor through
     torch.save, and a numpy array as its bytes: a 5 MB round trip took 19 ms, against 27 (2
@@ -69,14 +75,15 @@ class ParameterServer(Actor):
         self.num_trainers = num_trainers
         # plain SGD at --lr, as batch.py's
         self.optimizer = optim.SGD(self.model.parameters(), lr=args.lr)
+        # ours: the bounds on each wait for the trainers
         self.call_timeout = args.call_timeout
         self.init_timeout = args.init_timeout
         # What the summary reports.
         self.versions = 0
         self.gradients = 0
         self.short_updates = 0
-        self.batches_tested = 0  # not in batch.py: the trainers' evaluation, as progress
-        # Not in batch.py: --profile's window, model versions 3 to 2 + --profile_steps.
+        self.batches_tested = 0  # ours: the trainers' evaluation, as progress (tested_a_batch)
+        # ours: --profile's window, model versions 3 to 2 + --profile_steps
         self.recorder = monarch_runs.Recorder(args.profile, args.profile_steps, 0,
                                               "parameter_server")
 
@@ -91,6 +98,7 @@ class ParameterServer(Actor):
             # One call to the trainers' mesh: the weights, pickled once, to every trainer;
             # each trainer's gradients (None once it has no batch left) as its answer.
             call = trainers.train_batch.call(weights)
+            # ours: each wait bounded (monarch_runs.answer), the first by --init_timeout
             if self.versions == 0:
                 # The first call also starts each trainer's data loader and torch's kernels,
                 # which takes seconds on a busy machine: start-up, bounded as such.
@@ -102,7 +110,7 @@ class ParameterServer(Actor):
             if not gradients:
                 break
             self.update(gradients)
-        self.recorder.stop()  # a run shorter than --profile's window
+        self.recorder.stop()  # ours: a run shorter than --profile's window
 
     def update(self, gradients):
         """batch.py's step: the gradients added up in the .grad fields and averaged, then one
@@ -120,11 +128,13 @@ class ParameterServer(Actor):
         self.gradients += len(gradients)
         self.short_updates += len(gradients) < self.num_trainers
         self.versions += 1
-        self.recorder.step()
+        self.recorder.step()  # ours: --profile's window
 
+    # ours: the trainers' progress in testing, and the figures, for the bounded waits of main()
+    # and the summary
     @endpoint
     async def tested_a_batch(self):
-        """Not in batch.py: a trainer measured its accuracy on one more test batch (one-way:
+        """A trainer measured its accuracy on one more test batch (one-way:
         broadcast). The controller reads it as progress, which bounds its wait."""
         self.batches_tested += 1
 
@@ -158,7 +168,7 @@ class Trainer(Actor):
         self.trained = 0
         self.started = None
         self.train_seconds = 0.0
-        # Not in batch.py: --profile's window, batches 3 to 2 + --profile_steps.
+        # ours: --profile's window, batches 3 to 2 + --profile_steps
         self.recorder = monarch_runs.Recorder(args.profile, args.profile_steps, self.rank,
                                               self.name)
 
@@ -183,10 +193,10 @@ class Trainer(Actor):
         i, batch = next(self.next_batches, (None, None))
         if batch is None:
             self.train_seconds = time.perf_counter() - self.started
-            self.recorder.stop()
+            self.recorder.stop()  # ours: --profile's window
             return None
         inputs, labels = batch
-        self.recorder.step()
+        self.recorder.step()  # ours: (above)
         self.m.zero_grad()
         loss = F.nll_loss(self.m(inputs), labels)
         loss.backward()
@@ -200,14 +210,16 @@ class Trainer(Actor):
         """batch.py's end of a trainer: its accuracy on the test set, with the final model."""
         print("Training complete!", flush=True)
         print("Getting accuracy....", flush=True)
+        # ours: TellingLoader, which reports progress (below)
         accuracy = get_accuracy(TellingLoader(self.test_loader, self.ps), self.m.cpu())
         return {"accuracy": accuracy, "batches": self.trained,
                 "train_seconds": round(self.train_seconds, 3),
-                "peak_memory_mb": monarch_runs.peak_memory_mb()}
+                "peak_memory_mb": monarch_runs.peak_memory_mb()}  # ours: for bench/
 
 
+# ours: TellingLoader, wait_while_progress and setup_process, for bounded waits and whole lines
 class TellingLoader:
-    """Not in batch.py: a trainer's test loader, which tells the parameter server of each batch
+    """A trainer's test loader, which tells the parameter server of each batch
     it hands out (tested_a_batch), for get_accuracy (main.py's), which reads its dataset too."""
 
     def __init__(self, loader, ps):
@@ -260,16 +272,17 @@ def setup_process(threads):
 
 def main(args):
     trainers_count = args.world_size - 1
-    # The trainers' processes, one each; they compute, so they share the cores.
-    threads = monarch_runs.share_of_the_cores(trainers_count)
-    # On this host, or on the hosts of --workers (monarch_runs.spawn_procs).
+    # The trainers' processes, one each; ours: they compute, so they share the cores.
+    threads = monarch_runs.share_of_the_cores(trainers_count)  # ours: (above)
+    # On this host (Monarch's this_host().spawn_procs), or, ours, on the hosts of --workers.
     trainer_procs = monarch_runs.spawn_procs(args, trainers_count,
                                              bootstrap=lambda: setup_process(threads))
     # this_proc(): the parameter server lives in this process, the controller's, whose main
     # thread only waits; then the trainers, each handed the server's reference.
     ps = this_proc().spawn("parameter_server", ParameterServer, trainers_count, args)
     trainers = trainer_procs.spawn("trainer", Trainer, ps, args)
-    # Each trainer's process starts, imports torch and makes its data: --init_timeout.
+    # ours: each wait bounded, from here down (monarch_runs.get, wait_while_progress). Each
+    # trainer's process starts, imports torch and makes its data: --init_timeout.
     monarch_runs.get(trainers.initialized, args.init_timeout, "the trainers' processes",
                      "--init_timeout")
     print(f"Start training: a parameter server and {trainers_count} trainer(s), "
@@ -280,6 +293,7 @@ def main(args):
     results = wait_while_progress(trainers.test.call(), ps, "testing", args)
     ps_figures = monarch_runs.get(ps.figures.call_one(), args.call_timeout,
                                   "the parameter server")
+    # ours: the summary (batch.py's, with each process's peak memory), and --profile's timeline
     reports = {}
     memory = {}
     for point, figures in results.items():
@@ -300,6 +314,7 @@ def main(args):
     monarch_runs.write_summary(args, summary, line, memory)
 
 
+# ours: the command line (batch.py's flags, and Monarch's bounds on waiting)
 def parse_args(argv=None):
     """batch.py's training flags (each step takes a gradient from every trainer, batch.py's
     default: no --batch_update_size); the processes; this project's --seed and --summary_json;
@@ -326,11 +341,10 @@ def parse_args(argv=None):
 
 if __name__ == "__main__":
     args = parse_args()
-    # Not in Monarch's examples: each line this process prints written whole, as in every
-    # actor's process (setup_process), so that two processes' lines never run into one.
+    # ours: each line this process prints written whole, as in every actor's process
+    # (setup_process), so that two processes' lines never run into one
     monarch_runs.whole_lines()
-    # Not in Monarch's examples: a failed or killed actor process, an endpoint's error, Ctrl-C
-    # or SIGTERM end this command and every process it started, in one line (README.md: "What
-    # the harness changes").
+    # ours: a failed or killed actor process, an endpoint's error, Ctrl-C or SIGTERM end this
+    # command and every process it started, in one line (docs/harness.md)
     with monarch_runs.one_line_on_failure(role="trainer"):
         main(args)

@@ -212,7 +212,9 @@ def get_accuracy(test_loader, model):
         and torch.cuda.is_available() else "cpu")
     with torch.no_grad():
         for i, (data, target) in enumerate(test_loader):
-            out = model(data)
+            # ours: model(data), not the tutorial's model(data, -1), a TypeError, as
+            # TrainerNet.forward takes one input (the pytorch/examples script's fix too)
+            out = model(data)  # ours: (above)
             pred = out.argmax(dim=1, keepdim=True)
             pred, target = pred.to(device), target.to(device)
             correct = pred.eq(target.view_as(pred)).sum().item()
@@ -251,7 +253,8 @@ def run(rank, world_size, args):  # ours: (above): this rank's part of __main__ 
 # --------- Launcher --------------------
 
 
-def make_parser(description="Parameter-Server RPC based training"):  # ours: batch.py's too
+def make_parser(description="Parameter-Server RPC based training",  # ours: batch.py's too,
+                num_gpus=True):  # ours: which leaves out --num_gpus (its server is on the CPU)
     parser = rpc_harness.ArgumentParser(  # ours: errors in one line, every default in --help
         description=description)  # ours: batch.py's own
     parser.add_argument(
@@ -260,17 +263,21 @@ def make_parser(description="Parameter-Server RPC based training"):  # ours: bat
         default=4,
         help="""Total number of participating processes. Should be the sum of
         master node and all training nodes.""")
+    # ours: --rank and --num_gpus are flags, as the tutorial's own commands pass them
+    # (--rank=1); it declares them positional, `"rank"` and `"num_gpus"`, which refuses those
+    # commands. The pytorch/examples script made the same fix, and wrote "currently" below.
     parser.add_argument(
-        "--rank",
+        "--rank",  # ours: (above)
         type=int,
         default=None,
         help="Global rank of this process. Pass in 0 for master.")
-    parser.add_argument(
-        "--num_gpus",
-        type=int,
-        default=0,
-        help="""Number of GPUs to use for training, currently supports between 0
-         and 2 GPUs. Note that this argument will be passed to the parameter servers.""")
+    if num_gpus:  # ours: not for batch.py (make_parser's num_gpus)
+        parser.add_argument(
+            "--num_gpus",  # ours: (above --rank)
+            type=int,
+            default=0,
+            help="""Number of GPUs to use for training, currently supports between 0
+             and 2 GPUs. Note that this argument will be passed to the parameter servers.""")
     parser.add_argument(
         "--master_addr",
         type=str,
@@ -299,7 +306,9 @@ if __name__ == '__main__':  # ours: below parse_args, which holds the tutorial's
     os.environ['MASTER_ADDR'] = args.master_addr
     os.environ['MASTER_PORT'] = args.master_port
     rpc_harness.supervise(args)  # ours: this command ends in one line when a rank fails
-    mp.set_start_method("spawn")  # ours: Linux's default, fork, can deadlock the DataLoader
+    # ours: fork, Linux's default, can deadlock the DataLoader (the pytorch/examples script's
+    # fix too)
+    mp.set_start_method("spawn")  # ours: (above)
     processes = []
     world_size = args.world_size
     if args.rank is None:  # ours: without --rank, every rank from this command

@@ -12,6 +12,8 @@ why; pipelining.py trains the same model with torch.distributed.pipelining.
     python main.py --rank R                                 # one rank per terminal, R = 0, 1, 2
 """
 
+# ours: the imports at the top, as in the pytorch/examples script (the tutorial spreads them
+# over its steps, and leaves out RRef's)
 import os
 import sys  # ours: the command's exit status
 import threading
@@ -107,8 +109,8 @@ class ResNetShard1(ResNetBase):
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode='fan_out', nonlinearity='relu')
             elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+                nn.init.ones_(m.weight)  # ours: the script's, for nn.init.constant_(m.weight, 1)
+                nn.init.zeros_(m.bias)  # ours: and nn.init.constant_(m.bias, 0)
         zero_init_residuals(self)  # ours: each block starts as the identity, to train at 0.05
 
     def forward(self, x_rref):
@@ -144,10 +146,12 @@ class ResNetShard2(ResNetBase):
 
 class DistResNet50(nn.Module):
     # the two shards as one nn.Module, whose forward pass pipelines the micro-batches
-    def __init__(self, split_size, workers, *args, **kwargs):
+    # ours: split_size, the script's, for the tutorial's num_split: forward() reads
+    # self.split_size, which the tutorial never sets
+    def __init__(self, split_size, workers, *args, **kwargs):  # ours: (above)
         super(DistResNet50, self).__init__()
 
-        self.split_size = split_size
+        self.split_size = split_size  # ours: (above)
 
         # shard 1, built on the first worker
         self.p1_rref = rpc.remote(
@@ -191,7 +195,7 @@ def run_master(num_split, args):  # ours: the number of micro-batches, and the f
     split_size = -(-args.batch_size // num_split)  # ours: the size (rounded up) for num_split
 
     # the shards, on worker1 and worker2
-    model = DistResNet50(split_size, ["worker1", "worker2"])
+    model = DistResNet50(split_size, ["worker1", "worker2"])  # ours: split_size (DistResNet50)
     loss_fn = nn.CrossEntropyLoss()  # ours: class indices; MSELoss on one-hot labels diverged
     opt = DistributedOptimizer(
         optim.SGD,

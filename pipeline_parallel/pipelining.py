@@ -6,38 +6,43 @@ stage owns the loss. No master, no RPC. README.md, "The same model with today's 
 two programs side by side. rpc_harness, this project's package, bounds every wait and ends every
 rank in one line when one fails; each of its names is explained where it is first used here.
 
+Built from that tutorial (README.md names its revision): its globals, init_distributed,
+manual_model_split, its schedule and steps. Each line that is not its code ends with, or
+follows, a "# ours:" comment that says why.
+
     python pipelining.py                                    # every stage on this machine
     python pipelining.py --rank R                           # one stage per terminal, R = 0, 1
     torchrun --nnodes 1 --nproc_per_node 2 pipelining.py    # as the tutorial starts them
 """
 
-import copy
-import datetime
-import inspect
+import copy  # ours: torch 2.4's example shapes (example_args_for_torch_2_4)
+import datetime  # ours: the bound on each send and receive
+import inspect  # ours: what this torch's PipelineStage and schedules take
 import os
-import sys
-import time
+import sys  # ours: the command's exit status
+import time  # ours: each batch's seconds
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import torch.multiprocessing as mp  # ours: the launch without torchrun
 import torch.nn as nn
-import torch.optim as optim
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torchvision.models import resnet50
+import torch.optim as optim  # ours: a step (the page makes none)
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # ours: 1F1B
+from torchvision.models import resnet50  # ours: main.py's model (the page's: a Transformer)
 
-try:
+try:  # ours: this project's package, or one line that says how to install it
     import rpc_harness
-except ModuleNotFoundError:
+except ModuleNotFoundError:  # ours: (above)
     raise SystemExit("rpc_harness, this project's package, is missing: install it with "
                      "`pip install -e PATH`, PATH being the repository's folder (the one that "
                      "holds pyproject.toml), or run `make run` there") from None
 
-from data import NUM_CLASSES, class_images
+from data import NUM_CLASSES, class_images  # ours: main.py's images
 
 # Setup: the model, then the globals of the distributed run
 
 
+# ours: main.py's model, whole, in its two shards (the page's: a Transformer of its own)
 class ResNet50(nn.Module):
     """torchvision's ResNet-50 as main.py's two shards, whole (the tutorial's Transformer here)."""
 
@@ -57,26 +62,30 @@ class ResNet50(nn.Module):
         return self.shard2(x) if self.shard2 is not None else x
 
 
-SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}  # ours: both, by --schedule
 
-rank = device = pp_group = stage_index = num_stages = None  # the tutorial's globals: below
+# ours: the page's globals, set to None (it writes `global rank, device, ...` here, which does
+# nothing at a module's top level)
+rank = device = pp_group = stage_index = num_stages = None
 
 
-def init_distributed(this_rank, world_size, args):
+def init_distributed(this_rank, world_size, args):  # ours: the rank, world and flags
     global rank, device, pp_group, stage_index, num_stages
-    # The tutorial reads its rank and world size, and init_process_group() where to meet, from
-    # what torchrun sets; here from the command line (under torchrun, torchrun's values).
-    os.environ['MASTER_ADDR'] = args.master_addr
-    os.environ['MASTER_PORT'] = str(args.master_port)
-    rank = this_rank
+    # ours: the page reads its rank and world size, and init_process_group() where to meet,
+    # from what torchrun sets; here from the command line (under torchrun, torchrun's values).
+    os.environ['MASTER_ADDR'] = args.master_addr  # ours: (above)
+    os.environ['MASTER_PORT'] = str(args.master_port)  # ours: (above)
+    rank = this_rank  # ours: (above)
+    # ours: NCCL on cuda:R, or Gloo on the CPU (the page: cuda:R whenever CUDA exists, and
+    # init_process_group's default backend)
     backend, device = choose_backend_and_device(rank, world_size, torch.cuda.device_count())
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    # rpc_harness.init_method(args): the ranks meet through rpc_harness, where MASTER_ADDR and
-    # MASTER_PORT say (as the default env:// would), with bounded waits, and every rank ends in
-    # one line when one is lost. timeout (not in the tutorial): the bound of each send, receive
+    if device.type == "cuda":  # ours: (above)
+        torch.cuda.set_device(device)  # ours: (above)
+    # ours: rpc_harness.init_method(args): the ranks meet through rpc_harness, where
+    # MASTER_ADDR and MASTER_PORT say (as the default env:// would), with bounded waits, and
+    # every rank ends in one line when one is lost. timeout: the bound of each send, receive
     # and collective, --rpc_timeout (torch's default is 30 minutes; 10 with NCCL).
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
+    dist.init_process_group(backend, rank=rank, world_size=world_size,  # ours: (above)
                             init_method=rpc_harness.init_method(args),
                             timeout=datetime.timedelta(seconds=args.rpc_timeout))
 
@@ -88,28 +97,31 @@ def init_distributed(this_rank, world_size, args):
 
 # Step 1: Partition the model
 
-def manual_model_split(model, example_input_microbatch) -> PipelineStage:
-    examples = example_args_for_torch_2_4(model, example_input_microbatch)
+def manual_model_split(model, example_input_microbatch) -> PipelineStage:  # ours: examples
+    examples = example_args_for_torch_2_4(model, example_input_microbatch)  # ours: (above)
     if stage_index == 0:
         # prepare the first stage model
-        model.shard2 = None
+        model.shard2 = None  # ours: this model's half (the page deletes Transformer layers)
     elif stage_index == 1:
         # prepare the second stage model
-        model.shard1 = None
+        model.shard1 = None  # ours: (above)
 
     stage = PipelineStage(
         model,
         stage_index,
         num_stages,
         device,
-        group=pp_group,
-        **examples,
+        group=pp_group,  # ours: the group, as the page's tracer split passes it
+        **examples,  # ours: torch 2.4 wants them (example_args_for_torch_2_4)
     )
     return stage
 
 
 # Step 2: Define the main execution
 
+# ours: the page's `if __name__ == "__main__":` body, as a function that trains for one
+# schedule and count of micro-batches: main.py's model, images, loss and learning rate, batch
+# after batch, with a step (the page runs one step of its schedule on dummy data)
 def train(schedule_name, num_microbatches, args):
     torch.manual_seed(args.seed)  # the same whole model on every stage, before the split
     model = ResNet50()
@@ -128,7 +140,7 @@ def train(schedule_name, num_microbatches, args):
     losses_of_batches, seconds = [], []
     for i, (x, y) in enumerate(class_images(args.num_batches, args.batch_size, args.image_size,
                                             args.seed)):
-        rpc_harness.profile_step()  # not in the tutorial: --profile's window
+        rpc_harness.profile_step()  # --profile's window; nothing without --profile
         started = time.perf_counter()
         opt.zero_grad()
         if stage_index == 0:
@@ -143,12 +155,14 @@ def train(schedule_name, num_microbatches, args):
             losses_of_batches.append(torch.stack(losses).mean().item())
             print(f"{schedule_name}, n_microbatches {num_microbatches}, batch {i}: loss "
                   f"{losses_of_batches[-1]:.4f}, {seconds[-1]:.3f} s")
-    report(schedule_name, num_microbatches, losses_of_batches, seconds)  # not in the tutorial
+    report(schedule_name, num_microbatches, losses_of_batches, seconds)  # the summary's figures
 
 
 # Step 3: Launch the distributed processes
 
-@rpc_harness.watched  # not in the tutorial: one line when this rank ends early
+# ours: every rank runs this (the page's __main__ calls init_distributed, then trains once):
+# each --schedule and --num_split in turn
+@rpc_harness.watched  # ours: this rank ends in one line if it fails or loses a peer
 def run_worker(rank, world_size, args):
     init_distributed(rank, world_size, args)
     print(f"stage {stage_index} of {num_stages} on {device}")
@@ -160,7 +174,7 @@ def run_worker(rank, world_size, args):
     dist.destroy_process_group()
 
 
-# --------- Not in the tutorial: torch 2.4, devices, names, the summary ---------
+# --------- ours: torch 2.4, devices, names, the summary ---------
 
 def example_args_for_torch_2_4(model, example_input_microbatch):
     """torch 2.4's PipelineStage wants its input and output as examples, where later versions
@@ -218,7 +232,7 @@ def every_stage(rank, world_size):
 
 
 def report(schedule_name, num_microbatches, losses, seconds):
-    """Not in the tutorial: seconds per batch, without the first batch (warm-up), and the
+    """Seconds per batch, without the first batch (warm-up), and the
     last stage's losses, for the run's summary, which rank 0 writes at the end."""
     steady = seconds[1:] or seconds
     figures = {"seconds_per_batch": round(sum(steady) / len(steady), 4)}
@@ -242,7 +256,7 @@ def write_summary(args, reports):
                       f"{s['first_loss']:.3f} -> {s['last_loss']:.3f}" for key, s in runs.items()))
 
 
-# --------- The tutorial's launch, with a command line --------------------
+# --------- ours: the tutorial's launch, with a command line --------------------
 
 def parse_args(argv=None):
     """The command line (the tutorial has none: torchrun starts its 2 ranks), with this
@@ -267,7 +281,7 @@ def parse_args(argv=None):
                         default=os.environ.get("MASTER_PORT", "29500"),
                         help="port of rank 0, where every rank meets (29500, or $MASTER_PORT, "
                              "which torchrun sets)")
-    # Not in the tutorial: this example's settings (those of main.py, and --schedule); then the
+    # This example's settings (those of main.py, and --schedule); then the
     # flags that every example of this project has (timeouts, --seed, --summary_json,
     # --profile), but --rpc_transport: there is no RPC here.
     parser.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=None,
@@ -298,7 +312,7 @@ def parse_args(argv=None):
 
 
 def check_schedules(parser, args):
-    """Not in the tutorial: two stages; counts of micro-batches that divide a batch; the
+    """Two stages; counts of micro-batches that divide a batch; the
     schedules that this torch and these devices can run (args.schedule, when unset)."""
     if args.world_size != 2:
         parser.error(f"this example runs 2 ranks, one a stage (stage0 and stage1), not "
@@ -319,10 +333,11 @@ def check_schedules(parser, args):
         print(f"1F1B runs with {args.world_size} micro-batches or more (one per stage) only")
 
 
+# ours: the command (the page starts its ranks with torchrun, which still works here)
 if __name__ == "__main__":
     args = parse_args()
-    # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
-    # command stops the ranks it started and says why in one line.
+    # When a rank fails or is killed, or on Ctrl-C or SIGTERM, this command stops the ranks it
+    # started and says why in one line.
     rpc_harness.supervise(args)
     # spawn, mp.spawn's own way: the rank that --rank names starts in a fresh interpreter too
     mp.set_start_method("spawn")
@@ -333,17 +348,17 @@ if __name__ == "__main__":
     processes = []
     world_size = args.world_size
     if args.rank is None:
-        # Not in the tutorial: every rank on this machine, as the RPC tutorials start theirs.
+        # Every rank on this machine, as the RPC tutorials start theirs.
         mp.spawn(run_worker, args=(world_size, args), nprocs=world_size, join=True)
     else:
-        # Not in the tutorial: the one rank that --rank (or torchrun) names, in a process of
-        # its own, as the parameter-server tutorial starts its ranks.
+        # The one rank that --rank (or torchrun) names, in a process of its own, as the
+        # parameter-server tutorial starts its ranks.
         p = mp.Process(target=run_worker, args=(args.rank, world_size, args))
         p.start()
         processes.append(p)
 
         for p in processes:
             p.join()
-        # Not in the tutorial: the rank's exit status is the command's; rpc_harness.exit_status
-        # says, in one line, when a signal killed the rank (which then could not say it).
+        # The rank's exit status is the command's; rpc_harness.exit_status says, in one line,
+        # when a signal killed the rank (which then could not say it).
         sys.exit(rpc_harness.exit_status(p))

@@ -9,6 +9,11 @@ agent makes, and one call to the observers' mesh, which hands each observer its 
 brings back every state and reward. In main.py each observer makes two RPCs a step, and in
 batch.py one.
 
+Built from main.py and batch.py, whose training it does, written as Monarch's documentation
+writes actors (https://meta-pytorch.org/monarch/, torchmonarch 0.7.0): Actor classes, async
+endpoints, calls to whole meshes. Each line that is neither their work nor Monarch's way of
+writing it, but this project's (bounded waits, --profile, the summary), is marked "# ours:".
+
     python actors.py                                # an agent and 1 observer
     python actors.py --world_size 5                 # an agent and 4 observers
 """
@@ -24,16 +29,16 @@ import torch
 import torch.optim as optim
 from torch.distributions import Categorical
 
-try:
+try:  # ours: this project's package, or one line that says how to install it
     from rpc_harness import monarch_runs
-except ModuleNotFoundError:
+except ModuleNotFoundError:  # ours: (above)
     raise SystemExit("rpc_harness, this project's package, is missing: install it with "
                      "`pip install -e PATH`, PATH being the repository's folder (the one that "
                      "holds pyproject.toml), or run `make run` there") from None
 
-# Monarch's own names. monarch_runs.import_monarch() says in one line what is missing (status
-# 2) where torchmonarch is not installed.
-monarch = monarch_runs.import_monarch()
+# Monarch's own names. ours: monarch_runs.import_monarch() says in one line what is missing
+# (status 2) where torchmonarch is not installed.
+monarch = monarch_runs.import_monarch()  # ours: (above)
 import batch  # noqa: E402
 from monarch.actor import (  # noqa: E402
     Actor,
@@ -60,6 +65,7 @@ class Observer(Actor):
         # Gymnasium seeds through the first reset; seed + id, so that observers differ.
         self.seed = args.seed + self.id
         self.playing = False
+        # ours: --profile's window (start_profile, stop_profile)
         self.recorder = monarch_runs.Recorder(args.profile, args.profile_steps, self.id,
                                               f"observer{self.id}")
 
@@ -82,11 +88,12 @@ class Observer(Actor):
         self.playing = not (terminated or truncated)
         return state, reward, not self.playing
 
+    # ours: the process's peak memory, for bench/, and --profile's window, which the
+    # controller opens and closes
     @endpoint
     async def peak_memory_mb(self):
         return monarch_runs.peak_memory_mb()
 
-    # Not in main.py: --profile's window, which the controller opens and closes.
     @endpoint
     async def start_profile(self):
         self.recorder.start()
@@ -116,8 +123,8 @@ class Agent(Actor):
         self.reward_threshold = gym.make('CartPole-v1').spec.reward_threshold
         self.gamma = args.gamma
         self.env_steps = 0
-        self.call_timeout = args.call_timeout
-        self.recorder = monarch_runs.Recorder(args.profile, args.profile_steps, 0, "agent")
+        self.call_timeout = args.call_timeout  # ours: the bound on each wait (answer)
+        self.recorder = monarch_runs.Recorder(args.profile, args.profile_steps, 0, "agent")  # ours
 
     def select_actions(self, states):
         """One forward pass for {observer id: state}: {observer id: action}. The log-probabilities
@@ -130,7 +137,7 @@ class Agent(Actor):
         self.saved_log_probs.append((ob_ids, m.log_prob(actions)))
         return dict(zip(ob_ids, actions.tolist(), strict=True))
 
-    async def answer(self, call):
+    async def answer(self, call):  # ours: (above)
         """The observers' answers; --call_timeout bounds the wait."""
         return await monarch_runs.answer(call, self.call_timeout, "the observers")
 
@@ -168,7 +175,7 @@ class Agent(Actor):
         return {"env_steps": self.env_steps, "running_reward": self.running_reward,
                 "solved": self.running_reward > self.reward_threshold}
 
-    # Not in main.py: --profile's window, which the controller opens and closes.
+    # ours: --profile's window, which the controller opens and closes
     @endpoint
     async def start_profile(self):
         self.recorder.start()
@@ -178,6 +185,7 @@ class Agent(Actor):
         self.recorder.stop()
 
 
+# ours: profile and setup_process: --profile's window, and what each process needs
 def profile(agent, observers, endpoint_name, timeout):
     """Open or close --profile's window on the agent and every observer (nothing without
     --profile)."""
@@ -197,22 +205,23 @@ def setup_process():
 
 def main(args):
     num_observers = args.world_size - 1
-    torch.set_num_threads(1)  # the agent, in this process, as setup_process() does for observers
-    # On this host, or on the hosts of --workers (monarch_runs.spawn_procs).
+    torch.set_num_threads(1)  # ours: the agent, in this process, as setup_process()'s observers
+    # On this host (Monarch's this_host().spawn_procs), or, ours, on the hosts of --workers.
     observer_procs = monarch_runs.spawn_procs(args, num_observers, bootstrap=setup_process)
     observers = observer_procs.spawn("observer", Observer, args)
     # this_proc(): the agent lives in this process, the controller's, as rank 0 in main.py.
     agent = this_proc().spawn("agent", Agent, num_observers, args)
     timeout = args.call_timeout
-    # The clock starts once every actor is up, as main.py's starts once its observers exist:
-    # the processes' start is not training.
+    # ours: each wait bounded, from here down (monarch_runs.get). The clock starts once every
+    # actor is up, as main.py's starts once its observers exist: the processes' start is not
+    # training.
     monarch_runs.get(observers.initialized, args.init_timeout, "the observers' processes",
                      "--init_timeout")
     monarch_runs.get(agent.initialized, args.init_timeout, "the agent",
                      "--init_timeout")
     started = time.perf_counter()
     for i_episode in count(1):
-        # Not in main.py: --profile's window, episodes 3 to 2 + --profile_steps.
+        # ours: --profile's window, episodes 3 to 2 + --profile_steps
         if i_episode - 1 == monarch_runs.WARMUP_STEPS:
             profile(agent, observers, "start_profile", timeout)
         if i_episode - 1 == monarch_runs.WARMUP_STEPS + args.profile_steps:
@@ -236,9 +245,10 @@ def main(args):
         if running_reward > reward_threshold:
             print("Solved! Running reward is now {}!".format(running_reward))
             break
-        if i_episode == args.max_episodes:
+        if i_episode == args.max_episodes:  # ours: main.py's bound on the run
             print(f"Stopped after {i_episode} episodes (--max_episodes), unsolved")
             break
+    # ours: the run's summary, as main.py's, with each process's peak memory; --profile's end
     seconds = time.perf_counter() - started
     profile(agent, observers, "stop_profile", timeout)  # a run shorter than the window
     if args.profile:
@@ -264,6 +274,7 @@ def main(args):
     monarch_runs.write_summary(args, summary, line, memory)
 
 
+# ours: the command line (main.py's flags, and Monarch's bounds on waiting)
 def parse_args(argv=None):
     """main.py's flags that apply (no rank, address or port: this command starts every
     process); this project's --seed and --summary_json; Monarch's bound on waiting. Bad input
@@ -281,7 +292,7 @@ def parse_args(argv=None):
     parser.add_argument('--gamma', default=0.99, type=monarch_runs.unit_interval, metavar='G',
                         help='how much to value future rewards')
     parser.add_argument('--seed', type=monarch_runs.int_at_least(0), default=543, metavar='N',
-                        help="random seed (main.py's, the tutorial's)")
+                        help="random seed (main.py's, the pytorch/examples script's)")
     parser.add_argument("--max_episodes", "--max-episodes", type=monarch_runs.int_at_least(1),
                         default=2000, metavar="N", help="stop, unsolved, after this many episodes")
     monarch_runs.add_arguments(parser)
@@ -292,11 +303,10 @@ def parse_args(argv=None):
 
 if __name__ == "__main__":
     args = parse_args()
-    # Not in Monarch's examples: each line this process prints written whole, as in every
-    # actor's process (setup_process), so that two processes' lines never run into one.
+    # ours: each line this process prints written whole, as in every actor's process
+    # (setup_process), so that two processes' lines never run into one
     monarch_runs.whole_lines()
-    # Not in Monarch's examples: a failed or killed actor process, an endpoint's error, Ctrl-C
-    # or SIGTERM end this command and every process it started, in one line (README.md: "What
-    # the harness changes").
+    # ours: a failed or killed actor process, an endpoint's error, Ctrl-C or SIGTERM end this
+    # command and every process it started, in one line (docs/harness.md)
     with monarch_runs.one_line_on_failure(role="observer"):
         main(args)

@@ -9,33 +9,42 @@ the RPC framework completes (and answers) when the batch's forward pass is done,
 thread meanwhile. The observer makes one RPC a step, and returns its rewards at the end. The
 training is the tutorial's, so that the two can be compared. README.md says more.
 
+Built from the page's section "Batch-Processing CartPole Solver" (README.md names the
+revision), on main.py's classes. Few of its lines are the page's: each block that is not ends
+with, or starts with, a "# ours:" comment that says how and why it differs.
+
     python batch.py --world_size 5                  # an agent and 4 observers
 """
 
-import functools
+import functools  # ours: run_episode's callbacks
 import os
-import sys
+import sys  # ours: the command's exit status
 import threading
 
-import numpy as np
+import numpy as np  # ours: the states, stacked
 import torch
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
-from torch.distributed.rpc import rpc_async, rpc_sync
+from torch.distributed.rpc import rpc_async, rpc_sync  # ours: main.py's way of calling
 from torch.distributions import Categorical
 
-import rpc_harness  # this project's package: `make run` installs it (or `pip install -e .`)
+import rpc_harness  # ours: this project's package: `make run` installs it (or `pip install -e .`)
 
-from extras import discounted_returns
-from main import Agent, Observer, _call_method, parse_args, run_worker
+from extras import discounted_returns  # ours: main.py's returns
+from main import Agent, Observer, _call_method, parse_args, run_worker  # ours: main.py's parts
 
 
+# ours: the device in one place, as in every example (the page's agent calls .cuda())
 def choose_device(gpu_count):
     """The policy goes on cuda:0 when there is a GPU, as in the batch tutorial, where one forward
     pass for all observers saves the most. gpu_count is a parameter so that tests can fake it."""
     return torch.device("cuda:0" if gpu_count > 0 else "cpu")
 
 
+# ours: main.py's Observer, with a run_episode of its own. The page's observer plays n_steps
+# steps whatever happens, resetting its environment when an episode ends, discounts the rewards
+# itself, and returns them with the first episode's length; this one plays one episode, as
+# main.py's, and returns its rewards, which the agent discounts as main.py's does.
 class BatchObserver(Observer):
 
     def run_episode(self, agent_rref, n_steps):
@@ -55,6 +64,7 @@ class BatchObserver(Observer):
         return rewards
 
 
+# ours: one tensor of log-probabilities, in the order of the returns (docstring)
 def log_probs_by_observer(saved_batches):
     """The log-probabilities of an episode's forward passes, saved as (observer ids,
     log-probabilities) per pass, in one tensor in the order of discounted_returns: observer
@@ -66,10 +76,14 @@ def log_probs_by_observer(saved_batches):
     return torch.cat([log_probs for _, log_probs in saved_batches])[order]
 
 
-# This process's agent (rank 0's), for select_action_batch.
-local_agent = None
+# ours: this process's agent (rank 0's), for select_action_batch, which therefore needs no
+# agent_rref (BatchObserver says why)
+local_agent = None  # ours: (above)
 
 
+# ours: main.py's Agent, with the page's batched actions. The page's Agent takes a `batch` flag,
+# keeps every observer's state in a fixed tensor and waits for all of them each step; this one
+# keeps the states of the observers still playing, in a dict, and its update is main.py's.
 class BatchAgent(Agent):
     def __init__(self, world_size, args):
         global local_agent
@@ -90,14 +104,16 @@ class BatchAgent(Agent):
 
     @staticmethod
     @rpc.functions.async_execution
-    def select_action_batch(ob_id, state):
-        self = local_agent
+    def select_action_batch(ob_id, state):  # ours: no agent_rref (above)
+        self = local_agent  # ours: (above)
         with self.lock:
             self.states[ob_id] = state
             future_action = self.future_actions.then(lambda future: future.wait()[ob_id])
             self._act_if_all_states_are_in()
         return future_action
 
+    # ours: the page's forward pass for the batch, which its last observer to call runs, here
+    # run by whichever call or ending completes the batch
     def _act_if_all_states_are_in(self):
         """One forward pass for the states of all observers still playing, once each has sent
         one. Called with self.lock held."""
@@ -113,6 +129,7 @@ class BatchAgent(Agent):
         self.states = {}
         future_actions.set_result(dict(zip(ob_ids, actions.tolist(), strict=True)))
 
+    # ours: an observer whose episode ended no longer holds up the others' batch
     def _observer_finished(self, ob_id, future_rewards):
         """An observer's episode is over: stop waiting for its states, and take its rewards (or
         raise its error)."""
@@ -121,6 +138,8 @@ class BatchAgent(Agent):
             self._act_if_all_states_are_in()
         self.rewards[ob_id] = future_rewards.wait()
 
+    # ours: main.py's run_episode, with each observer's end handled as it comes (the page's
+    # ob_rref.rpc_async().run_episode(...), then its update, in one function)
     def run_episode(self, n_steps=0):
         self.playing = len(self.ob_rrefs)
         futs = []
@@ -130,8 +149,10 @@ class BatchAgent(Agent):
             futs.append(fut.then(functools.partial(self._observer_finished, ob_rref.owner().id)))
         torch.futures.wait_all(futs)
 
+    # ours: main.py's update (the page's: every step's rewards times its log-probabilities,
+    # and a running reward of 0.5 * mean + 0.5 * previous), from one tensor of
+    # log-probabilities (log_probs_by_observer)
     def finish_episode(self):
-        # The tutorial's update, from one tensor of log-probabilities (log_probs_by_observer).
         rewards = list(self.rewards.values())
         min_reward = min(sum(ob_rewards) for ob_rewards in rewards)
         self.running_reward = 0.05 * min_reward + (1 - 0.05) * self.running_reward
@@ -147,6 +168,8 @@ class BatchAgent(Agent):
 
 # --------- The __main__, with main.py's command line (parse_args) --------------------
 
+# ours: main.py's command line and launcher (the page's main() spawns worlds of 2 to 11 ranks,
+# each with both agents, and times them: bench/ compares the two agents)
 if __name__ == "__main__":
     args = parse_args()
     # The batch tutorial's run_worker sets these at its top, 'localhost' and '29500'. main.py's
@@ -155,8 +178,8 @@ if __name__ == "__main__":
     # them.
     os.environ['MASTER_ADDR'] = args.master_addr
     os.environ['MASTER_PORT'] = str(args.master_port)
-    # Not in the tutorial: when a rank fails or is killed, or on Ctrl-C or SIGTERM, this
-    # command stops the ranks it started and says why in one line.
+    # When a rank fails or is killed, or on Ctrl-C or SIGTERM, this command stops the ranks it
+    # started and says why in one line.
     rpc_harness.supervise(args)
     # spawn, as mp.spawn starts its ranks: the rank that --rank names starts in a fresh
     # interpreter too, not in a fork of this one (Linux's default).
@@ -164,8 +187,7 @@ if __name__ == "__main__":
 
     processes = []
     if args.rank is None:
-        # The batch tutorial's mp.spawn, once, with this --world_size and the batching agent
-        # (its main() times both agents for world sizes 2 to 11).
+        # The page's mp.spawn, once, with this --world_size and the batching agent.
         mp.spawn(
             run_worker,
             args=(args.world_size, args, BatchAgent),
@@ -173,14 +195,14 @@ if __name__ == "__main__":
             join=True
         )
     else:
-        # Not in the tutorial: the one rank that --rank (or torchrun) names, in a process of
-        # its own, as the parameter-server tutorial starts its ranks.
+        # The one rank that --rank (or torchrun) names, in a process of its own, as the
+        # parameter-server tutorial starts its ranks.
         p = mp.Process(target=run_worker, args=(args.rank, args.world_size, args, BatchAgent))
         p.start()
         processes.append(p)
 
         for p in processes:
             p.join()
-        # Not in the tutorial: the rank's exit status is the command's; rpc_harness.exit_status
-        # says, in one line, when a signal killed the rank (which then could not say it).
+        # The rank's exit status is the command's; rpc_harness.exit_status says, in one line,
+        # when a signal killed the rank (which then could not say it).
         sys.exit(rpc_harness.exit_status(p))

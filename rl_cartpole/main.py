@@ -1,11 +1,13 @@
-"""Getting Started with Distributed RPC Framework, the RL part: the tutorial's code, in its
-order. Rank 0 is the agent, which holds the policy and trains it; ranks 1.. are observers, each
-with its own CartPole-v1 (Gymnasium). The agent starts every observer's episode with an RPC,
-and each observer calls back (a nested RPC) for every action and to report every reward.
+"""Getting Started with Distributed RPC Framework, the RL part: the tutorial's code, in the
+order of the pytorch/examples script distributed/rpc/rl/main.py, which holds it. Rank 0 is the
+agent, which holds the policy and trains it; ranks 1.. are observers, each with its own
+CartPole-v1 (Gymnasium). The agent starts every observer's episode with an RPC, and each
+observer calls back (a nested RPC) for every action and to report every reward.
 
-Each line that is not the tutorial's ends with "# ours:" and why. What is not the lesson (this
-project's flags and checks, the ranks' names, the run's summary) is in extras.py. README.md
-maps the tutorial's sections to this file.
+The tutorial is its 2020 revision, which the Japanese translation shows (README.md names the
+revisions of both). Each line that is not the tutorial's ends with "# ours:" and why, also
+where it is the script's. What is not the lesson (this project's flags and checks, the ranks'
+names, the run's summary) is in extras.py. README.md maps the tutorial's sections to this file.
 
     python main.py                                  # every rank on this machine
     python main.py --world_size 2 --rank 1          # one rank per terminal
@@ -24,23 +26,29 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-from torch.distributed.rpc import RRef, rpc_sync, rpc_async, remote
+from torch.distributed.rpc import RRef, rpc_sync, rpc_async, remote  # ours: the script's line
 from torch.distributions import Categorical
 
 import rpc_harness  # ours: this project's package: `make run` installs it (or `pip install -e .`)
 from extras import AGENT_NAME, OBSERVER_NAME, add_arguments, check_args  # ours: extras.py
 from extras import discounted_returns, report  # ours: (above)
 
-TOTAL_EPISODE_STEP = 5000
+# ours: the script's 5000 steps an episode, shared by the observers (the tutorial's 100 keep
+# every episode below CartPole's threshold of 475, so that it is never solved)
+TOTAL_EPISODE_STEP = 5000  # ours: (above)
 
+# ours: the pytorch/examples script's command line. The tutorial's flags, --world_size,
+# --log_interval, --gamma and --seed, have no type= and default to 2, 1, 0.1 and 1. The
+# script's have types, the spellings --world-size and --log-interval (both spellings work
+# here), and the defaults 0.99, 543 and 10: 10, as in the tutorial's own sample output.
 parser = rpc_harness.ArgumentParser(description='PyTorch RPC RL example')  # ours: the harness's
-parser.add_argument('--world-size', type=int, default=2, metavar='W',
+parser.add_argument('--world-size', type=int, default=2, metavar='W',  # ours: (above)
                     help='world size for RPC, rank 0 is the agent, others are observers')
-parser.add_argument('--gamma', type=float, default=0.99, metavar='G',
+parser.add_argument('--gamma', type=float, default=0.99, metavar='G',  # ours: (above)
                     help='discount factor (default: 0.99)')
-parser.add_argument('--seed', type=int, default=543, metavar='N',
+parser.add_argument('--seed', type=int, default=543, metavar='N',  # ours: (above)
                     help='random seed (default: 543)')
-parser.add_argument('--log-interval', type=int, default=10, metavar='N',
+parser.add_argument('--log-interval', type=int, default=10, metavar='N',  # ours: (above)
                     help='interval between training status logs (default: 10)')
 add_arguments(parser)  # ours: this project's flags (extras.py); parsed in __main__, below
 
@@ -225,7 +233,7 @@ def parse_args(argv=None):  # ours: the tutorial parsed its flags as the module 
     return args  # ours: (above)
 
 
-def main():
+def main():  # ours: the script's main() (the tutorial calls mp.spawn at the top level)
     args = parse_args()  # ours: (above)
     rpc_harness.supervise(args)  # ours: this command ends in one line when a rank fails
     mp.set_start_method("spawn")  # ours: --rank's process starts afresh, as mp.spawn's
@@ -242,5 +250,5 @@ def main():
     )
 
 
-if __name__ == '__main__':
+if __name__ == '__main__':  # ours: the script's, as main() above
     main()

@@ -11,6 +11,7 @@ extras.py, the data in data.py. README.md maps the tutorial's sections to this f
     python main.py --rank 1                                 # one rank per terminal
 """
 
+# ours: the imports of the pytorch/examples script's main.py (the tutorial shows none)
 import os
 import sys  # ours: the command's exit status
 

@@ -2,6 +2,8 @@
 table and the decoder on a parameter server, the LSTM on the trainer. Each line that is not the
 tutorial's ends with "# ours:" and why."""
 
+# ours: the imports and the order of the pytorch/examples script's rnn.py (the tutorial shows
+# no imports, and its _parameter_rrefs after RNNModel)
 import torch
 import torch.nn as nn
 import torch.distributed.rpc as rpc
@@ -14,6 +16,7 @@ def _call_method(method, rref, *args, **kwargs):
 
 
 # Calls the method on the object that rref holds, on its owner, and returns the result.
+# ours: the script's form of the tutorial's _remote_method (its first part): the same call
 def _remote_method(method, rref, *args, **kwargs):
     return rpc.rpc_sync(
         rref.owner(),
@@ -40,14 +43,14 @@ class EmbeddingTable(nn.Module):
     def __init__(self, ntoken, ninp, dropout):
         super(EmbeddingTable, self).__init__()
         self.drop = nn.Dropout(dropout)
-        self.encoder = nn.Embedding(ntoken, ninp)
+        self.encoder = nn.Embedding(ntoken, ninp)  # ours: no .cuda() (below)
         self.device = choose_embedding_device(torch.cuda.device_count())  # ours: (above)
         self.encoder = self.encoder.to(self.device)  # ours: (above)
-        nn.init.uniform_(self.encoder.weight, -0.1, 0.1)
+        nn.init.uniform_(self.encoder.weight, -0.1, 0.1)  # ours: the script's, for .data.uniform_
 
     def forward(self, input):
         input = input.to(self.device)  # ours: (above)
-        return self.drop(self.encoder(input)).cpu()
+        return self.drop(self.encoder(input)).cpu()  # ours: the parenthesis the tutorial misses
 
     def get_device(self):  # ours: where the table is, which main.py says
         return str(self.device)  # ours: (above)
@@ -59,8 +62,8 @@ class Decoder(nn.Module):
         super(Decoder, self).__init__()
         self.drop = nn.Dropout(dropout)
         self.decoder = nn.Linear(nhid, ntoken)
-        nn.init.zeros_(self.decoder.bias)
-        nn.init.uniform_(self.decoder.weight, -0.1, 0.1)
+        nn.init.zeros_(self.decoder.bias)  # ours: the script's, for the tutorial's .data.zero_()
+        nn.init.uniform_(self.decoder.weight, -0.1, 0.1)  # ours: and .data.uniform_(-0.1, 0.1)
 
     def forward(self, output):
         return self.decoder(self.drop(output))

@@ -189,6 +189,7 @@ def test_bad_input_is_one_line_and_status_2(capsys, argv, expected):
     (["--batch_update_size", "0"], "must be at least 1"),
     (["--batch_update_size", "4"], "more than the 3 trainer(s) of a world of 4"),
     (["--world_size", "2", "--batch_update_size", "2"], "more than the 1 trainer(s)"),
+    (["--num_gpus", "1"], "unrecognized arguments: --num_gpus 1"),  # its server is on the CPU
 ])
 def test_batch_bad_input_is_one_line_and_status_2(capsys, argv, expected):
     assert expected in bad_input_message(capsys, ["--dataset", "synthetic", *argv], ps_batch)
