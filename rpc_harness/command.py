@@ -35,12 +35,12 @@ import torch.multiprocessing as mp
 
 from . import ending
 from .ending import signal_name
+from .state import state
 
 # How long the ranks may take to end on their own, then after SIGTERM (a rank writes its
 # --profile trace first: 3 s at most), before they are killed.
 GRACE_SECONDS = 5.0
 
-_plan = None  # args.harness of this command
 
 
 def supervise(args):
@@ -51,10 +51,9 @@ def supervise(args):
     rank; torch.multiprocessing's log level (ERROR); TORCH_CPP_LOG_LEVEL=FATAL and, with
     --profile, KINETO_LOG_LEVEL=6, unless set, which the ranks inherit; under torchrun, SIGTERM
     when torchrun's agent dies."""
-    global _plan
-    _plan = args.harness
-    _plan.records = tempfile.mkdtemp(prefix="rpc_harness-")
-    atexit.register(shutil.rmtree, _plan.records, ignore_errors=True)
+    state.plan = args.harness
+    state.plan.records = tempfile.mkdtemp(prefix="rpc_harness-")
+    atexit.register(shutil.rmtree, state.plan.records, ignore_errors=True)
     ending.on_signals(on_signal)
     sys.excepthook = excepthook
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
@@ -75,12 +74,12 @@ def on_signal(number):
     _stop_ranks()
     status = 128 + number
     suffix = "" if number == signal.SIGINT else " (SIGTERM)"
-    if _plan.spawn_all:
+    if state.plan.spawn_all:
         _end(f"interrupted{suffix}; stopped every rank", status)
-    records = ending.read_records(_plan.records)
+    records = ending.read_records(state.plan.records)
     if records:
         _end(records[0]["line"], status)
-    _end(f"{_plan.names[_plan.rank]}: interrupted{suffix}", status)
+    _end(f"{state.plan.names[state.plan.rank]}: interrupted{suffix}", status)
 
 
 def excepthook(kind, value, traceback):
@@ -101,7 +100,7 @@ def excepthook(kind, value, traceback):
         # rank's traceback, which mp.spawn carried here, then the line.
         print(str(value).strip(), file=sys.stderr, flush=True)
         _stop_ranks()
-        _end(f"{_plan.names[value.error_index]} (rank {value.error_index}) failed; stopped "
+        _end(f"{state.plan.names[value.error_index]} (rank {value.error_index}) failed; stopped "
              "the other ranks", 1)
     # Any other error of the command's own: its traceback, as Python prints it.
     sys.__excepthook__(kind, value, traceback)
@@ -114,19 +113,19 @@ def exit_status(process):
     rank that --rank names): 0 if it succeeded; otherwise, in one line, why it ended."""
     code = process.exitcode
     if code == 0:
-        shutil.rmtree(_plan.records, ignore_errors=True)
+        shutil.rmtree(state.plan.records, ignore_errors=True)
         return 0
     ending.claim()
-    _end_for(_plan.rank, code, "")
+    _end_for(state.plan.rank, code, "")
 
 
 def _end_for(rank, code, suffix):
     """End the command for rank `rank`, which ended with exit code `code` (negative: killed by
     that signal): the earliest record of the ranks, or how the rank ended."""
-    who = f"{_plan.names[rank]} (rank {rank})"
+    who = f"{state.plan.names[rank]} (rank {rank})"
     if code < 0:  # killed by a signal: a status as a shell gives a killed command
         _end(f"{who} was killed by {signal_name(-code)}{suffix}", 128 - code)
-    records = ending.read_records(_plan.records)
+    records = ending.read_records(state.plan.records)
     if records and records[0]["status"] == ending.PIPE_CLOSED:
         _end(None, ending.PIPE_CLOSED)  # the output that `| head` stopped reading: quietly
     if records:
@@ -135,7 +134,7 @@ def _end_for(rank, code, suffix):
 
 
 def _end(line, status):
-    shutil.rmtree(_plan.records, ignore_errors=True)
+    shutil.rmtree(state.plan.records, ignore_errors=True)
     ending.end(line, status)
 
 

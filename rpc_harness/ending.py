@@ -18,10 +18,13 @@ import json
 import os
 import select
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import NoReturn
+
+from .state import state
 
 # How long the last line may take to reach the terminal before the process ends anyway.
 WRITE_SECONDS = 2.0
@@ -30,26 +33,21 @@ WRITE_SECONDS = 2.0
 # the reader stopped reading, and SIGPIPE ended the writer): 128 + SIGPIPE.
 PIPE_CLOSED = 128 + signal.SIGPIPE
 
-# Held by the thread that ends this process, from claim() to os._exit.
-_claim = threading.Lock()
-_owner = None  # that thread's ident
-_terminal = None  # the terminal's file descriptor, once quiet() has kept it
 
 
 def claim():
     """Make this thread the one that ends the process. Returns in the first thread to call it
     (and again in that thread); in any other thread it waits until the process is gone."""
-    global _owner
-    if _owner == threading.get_ident():
+    if state.ending_thread == threading.get_ident():
         return
-    if not _claim.acquire(blocking=False):
+    if not state.end_claim.acquire(blocking=False):
         wait_forever()
-    _owner = threading.get_ident()
+    state.ending_thread = threading.get_ident()
 
 
 def ending():
     """Whether a thread has claimed the end of this process."""
-    return _claim.locked()
+    return state.end_claim.locked()
 
 
 def end(line, status) -> NoReturn:
@@ -66,14 +64,13 @@ def end(line, status) -> NoReturn:
 def quiet():
     """From now on, what this process writes on its standard output and error goes nowhere.
     Returns a file descriptor of the terminal (the standard error before the first call)."""
-    global _terminal
-    if _terminal is None:
-        _terminal = os.dup(2)
+    if state.terminal is None:
+        state.terminal = os.dup(2)
         nowhere = os.open(os.devnull, os.O_WRONLY)
         os.dup2(nowhere, 1)
         os.dup2(nowhere, 2)
         os.close(nowhere)
-    return _terminal
+    return state.terminal
 
 
 def output_closed():
@@ -81,7 +78,7 @@ def output_closed():
     program it fed has stopped reading (`| head` has its lines, `less` has quit). Linux reports
     an error (POLLERR) on the writing end of such a pipe, and nothing on a terminal or a file."""
     poller = select.poll()
-    for descriptor in (1, 2) if _terminal is None else (_terminal,):
+    for descriptor in (1, 2) if state.terminal is None else (state.terminal,):
         poller.register(descriptor, 0)  # POLLERR is reported whatever is asked for
     return any(events & select.POLLERR for _, events in poller.poll(0))
 
@@ -99,6 +96,14 @@ def say(terminal, text):
     writing.join(WRITE_SECONDS)
 
 
+def whole_lines():
+    """Each line written whole, in one write: under python -u (PYTHONUNBUFFERED), print("a", 1)
+    writes "a", " ", "1" and the newline separately, and two processes' lines run into each
+    other."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def wait_forever() -> NoReturn:
     """Wait until another thread ends the process."""
     while True:
@@ -111,7 +116,7 @@ def wait_for_a_cause(seconds):
     (never returning). Returns if no other thread claimed it meanwhile."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if ending() and _owner != threading.get_ident():
+        if ending() and state.ending_thread != threading.get_ident():
             wait_forever()
         time.sleep(0.05)
 

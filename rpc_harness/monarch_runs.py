@@ -30,8 +30,8 @@ from .cli import (
     share_of_the_cores,
     unit_interval,
 )
+from .ending import whole_lines
 from .profiling import WARMUP_STEPS, Recorder, write_timeline
-from .rank import whole_lines
 from .summary import NotWritten, peak_memory_mb, write_summary
 
 __all__ = ["ArgumentParser", "int_at_least", "positive_float", "unit_interval",

@@ -40,6 +40,7 @@ from . import ending
 from .cli import CORES
 from .command import signal_when_the_parent_dies
 from .profiling import write_timeline
+from .state import state
 from .summary import NotWritten, peak_memory_mb, write_summary
 
 HEARTBEAT_SECONDS = 1.0
@@ -58,7 +59,6 @@ LINGER_UNDER_MP_SPAWN_SECONDS = 1.0
 # Ctrl-C, SIGTERM, and the signal that says that the command has died.
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-_this = None  # this process's Rank
 
 
 class Phase(enum.Enum):
@@ -121,7 +121,7 @@ class Rank:
         torch.manual_seed(self.args.seed)
         if not os.environ.get("OMP_NUM_THREADS"):
             torch.set_num_threads(self.args.harness.threads[self.rank])
-        whole_lines()
+        ending.whole_lines()
         leave_out_known_warnings()
 
     def watch(self, peers):
@@ -277,7 +277,7 @@ class Rank:
         if not data:
             self.selector.unregister(sock)
             del self.heard[peer]
-            if peer not in self.byes and self.phase is not Phase.DONE:
+            if peer not in self.byes and self.phase is Phase.WATCHING:
                 self._peer_lost(peer, "its connection closed")
             return
         self.heard[peer] = time.monotonic()
@@ -370,24 +370,23 @@ def watched(function):
 
     @functools.wraps(function)
     def rank_process(rank, *arguments):
-        global _this
-        if _this is not None:  # a function of the rank, called by another that is watched
+        if state.rank is not None:  # a function of the rank, called by another that is watched
             return function(rank, *arguments)
         args = next(value for value in arguments if hasattr(value, "harness"))
-        _this = Rank(args, rank)
-        _this.start()
+        state.rank = Rank(args, rank)
+        state.rank.start()
         try:
             function(rank, *arguments)
         except BaseException as error:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too
-            _this.fail(error)
-        _this.finish()
+            state.rank.fail(error)
+        state.rank.finish()
 
     return rank_process
 
 
 def current():
     """This process's Rank, or None outside a rank."""
-    return _this
+    return state.rank
 
 
 def one_line(error):
@@ -417,17 +416,9 @@ def threads_line():
     threads = torch.get_num_threads()
     if os.environ.get("OMP_NUM_THREADS"):
         return f"{threads} thread(s), as OMP_NUM_THREADS says"
-    if _this.rank in _this.args.harness.computes:
+    if state.rank.rank in state.rank.args.harness.computes:
         return f"{threads} thread(s), its share of {CORES} core(s) (OMP_NUM_THREADS to change)"
     return f"{threads} thread, as it computes little (OMP_NUM_THREADS to change)"
-
-
-def whole_lines():
-    """Each line written whole, in one write: under python -u (PYTHONUNBUFFERED), print("a", 1)
-    writes "a", " ", "1" and the newline separately, and two processes' lines run into each
-    other."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def leave_out_known_warnings():
@@ -449,11 +440,11 @@ def leave_out_known_warnings():
 
 def profile_step():
     """Not in the tutorials: one step of a looping rank, for --profile's window."""
-    if _this is not None and _this.recorder:
-        _this.recorder.step()
+    if state.rank is not None and state.rank.recorder:
+        state.rank.recorder.step()
 
 
 def report(**figures):
     """Not in the tutorials: figures for the run's summary, which rank 0 writes at the end."""
-    if _this is not None:
-        _this.figures.update(figures)
+    if state.rank is not None:
+        state.rank.figures.update(figures)

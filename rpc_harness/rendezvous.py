@@ -30,6 +30,7 @@ from . import rank as rank_module
 from .cli import address_towards, listen
 from .compat import host_store
 from .profiling import Recorder
+from .state import state
 
 SCHEME = "harness"
 INIT_METHOD = f"{SCHEME}://"
@@ -41,7 +42,6 @@ READ_SECONDS = 5.0
 # The least time the ranks have to make their watch connections once every rank has joined.
 CONNECT_SECONDS = 2.0
 
-_args = None  # the command line that options() or init_method() was given, for the handler
 
 
 def options(args, num_worker_threads=16):
@@ -62,10 +62,9 @@ def init_method(args):
 
 def _use(args):
     """Keep this rank's command line for the join, and register the handler (once)."""
-    global _args
-    if _args is None:
+    if state.joining is None:
         dist.register_rendezvous_handler(SCHEME, _rendezvous)
-    _args = args
+    state.joining = args
 
 
 def _rendezvous(url, timeout=None, **kwargs):
@@ -84,7 +83,7 @@ def _rendezvous(url, timeout=None, **kwargs):
 
 def _join(this):
     """Join every rank of the world; the store, once this rank's peers are watched."""
-    args = _args
+    args = state.joining
     name = this.name
     world_size = len(this.names)
     addr = os.environ["MASTER_ADDR"]
@@ -123,11 +122,12 @@ def _open_store(this, addr, port, deadline):
     rank_0 = f"{this.names[0]} (rank 0)"
     where = f"{addr}:{port}"
     try:
-        if this.rank == 0 and not _args.torchrun:
-            return host_store(listen(addr, port), _args.init_timeout)
+        if this.rank == 0 and not state.joining.torchrun:
+            return host_store(listen(addr, port), state.joining.init_timeout)
         if not _wait_for_a_listener(addr, port, deadline):
             this.end(f"{this.name}: {rank_0} did not come: nothing answered at {where} within "
-                     f"{_args.init_timeout:g} s (--init_timeout); start it with the same flags", 1)
+                     f"{state.joining.init_timeout:g} s (--init_timeout); start it with the "
+                     "same flags", 1)
         seconds_left = max(1.0, deadline - time.monotonic())
         return dist.TCPStore(addr, port, is_master=False,
                              timeout=datetime.timedelta(seconds=seconds_left))
@@ -160,7 +160,8 @@ def _meet(this, store, watch, token, deadline, where):
     the verdict's line."""
     names = this.names
     world = range(len(names))
-    mine = {"name": this.name, "program": _args.harness.program, "flags": _args.harness.flags,
+    plan = state.joining.harness
+    mine = {"name": this.name, "program": plan.program, "flags": plan.flags,
             "pid": os.getpid(), "host": socket.gethostname(), "token": token,
             "port": watch.getsockname()[1] if watch else None}
     try:
@@ -183,8 +184,9 @@ def _meet(this, store, watch, token, deadline, where):
                 verdict = _decide(store, 0, "every rank joined")
             elif time.monotonic() > deadline:
                 them = "them" if len(missing) > 1 else "it"
+                seconds = state.joining.init_timeout
                 verdict = _decide(store, 1, f"{', '.join(missing)} did not join at {where} "
-                                            f"within {_args.init_timeout:g} s (--init_timeout); "
+                                            f"within {seconds:g} s (--init_timeout); "
                                             f"start {them} with the same flags")
             else:
                 time.sleep(POLL_SECONDS)
@@ -309,15 +311,15 @@ def _recorder(this, store):
     there): a rank that loops starts at its first step, one that serves now, until every looping
     rank's window has closed (a count in rank 0's store)."""
     rank_0 = this.claims[0]
-    recorder = Recorder(_args.profile, _args.profile_steps, this.rank, this.name,
+    recorder = Recorder(state.joining.profile, state.joining.profile_steps, this.rank, this.name,
                         run=f"{rank_0['host']}:{rank_0['pid']}")
     closed = f"{KEYS}profiles closed"
-    if this.rank in _args.harness.loops:
+    if this.rank in state.joining.harness.loops:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
             pass
         recorder.on_written = lambda: store.add(closed, 1)
     else:
-        recorder.start_until(lambda: store.add(closed, 0) >= len(_args.harness.loops))
+        recorder.start_until(lambda: store.add(closed, 0) >= len(state.joining.harness.loops))
     return recorder
 
 

@@ -21,7 +21,7 @@ import pytest
 from conftest import ROOT, _processes, find_free_port, load_example
 
 from rpc_harness import cli, ending, rendezvous
-from rpc_harness.rank import whole_lines
+from rpc_harness.ending import whole_lines
 
 rl = load_example("rl_cartpole")  # the example that starts quickest
 
