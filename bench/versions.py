@@ -487,6 +487,7 @@ def run_matrix(args):
     progress = Progress(total + done_before, done_before, sum(1 for r in todo.values() if r))
     matrix_started = time.monotonic()
     state["machine"] = machine()
+    state["updated"] = datetime.date.today().isoformat()
     try:
         for environment in chosen:
             record = state["environments"].setdefault(environment.label, {"runs": {}})
@@ -512,12 +513,11 @@ def run_matrix(args):
               flush=True)
         return 130
     state["seconds"] = state.get("seconds", 0) + time.monotonic() - matrix_started
-    state["finished"] = datetime.date.today().isoformat()
     _save(state, args.state)
     print(f"Done: {progress.done} runs in {_minutes(time.monotonic() - matrix_started)} "
           f"this time, {_minutes(state['seconds'])} in all.", flush=True)
-    if args.state == STATE:
-        write_report(state)
+    if args.state == STATE or args.output != REPORT:
+        write_report(state, args.output)
     return 0
 
 
@@ -540,6 +540,9 @@ def run_environment(environment, record, runs, progress, args, state):
             progress.install_seconds.append(time.monotonic() - started)
             record["install_seconds"] = round(time.monotonic() - started, 1)
         record["versions"] = installed_versions(python)
+        record.setdefault("commits", [])
+        if commit() not in record["commits"]:
+            record["commits"].append(commit())
         # The examples import rpc_harness from this checkout, before what PYTHONPATH held.
         python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         env_vars = {**os.environ, "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"}
@@ -585,6 +588,15 @@ def run_environment(environment, record, runs, progress, args, state):
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def commit():
+    """The checkout's commit (with "+" where files differ from it), which the runs ran."""
+    def git(*words):
+        return subprocess.run(["git", *words], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip()
+    return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain",
+                                                              "--untracked-files=no") else "")
+
+
 def machine():
     """This machine in words: the processor, its cores, the GPU where there is one."""
     model = platform.processor() or platform.machine()
@@ -626,12 +638,14 @@ def cell_mark(record, program):
     return "ran", []
 
 
-def write_report(state, path=REPORT, gpu_state=None):
+def write_report(state, path=REPORT):
     columns = list(state["environments"].items())
+    commits = sorted({c for _, record in columns for c in record.get("commits", [])})
     lines = ["# Which program runs on which torch and Python", "",
-             f"Written by `make versions` (bench/versions.py), last on "
-             f"{state.get('finished', 'an unfinished run')}, on {state.get('machine', '?')}: "
-             f"{_minutes(state.get('seconds', 0))} of running, installs included.",
+             f"Written by `make versions` (bench/versions.py), last run on "
+             f"{state.get('updated', '?')}, on {state.get('machine', '?')}: "
+             f"{_minutes(state.get('seconds', 0))} of running, installs included, on commit "
+             f"{', '.join(commits) or '?'} of this repository.",
              "Each column is an environment of its own: a torch minor's newest patch on Python "
              f"{columns[0][1].get('python_minor', '?') if columns else '?'}, or a Python on "
              "the newest torch that has wheels for it. A cell is one program in that "
@@ -680,7 +694,7 @@ def write_report(state, path=REPORT, gpu_state=None):
                              f"`{result['last_line']}`")
         lines.append("")
     path.write_text("\n".join(lines))
-    print(f"Wrote {path.relative_to(ROOT)}", flush=True)
+    print(f"Wrote {path}", flush=True)
 
 
 def main():
@@ -710,12 +724,14 @@ def main():
     parser.add_argument("--scratch", type=Path, default=None,
                         help="where environments are made (default: the temporary folder)")
     parser.add_argument("--report", action="store_true",
-                        help="write docs/versions.md from the recorded runs, and run nothing")
+                        help="write the table from the recorded runs, and run nothing")
+    parser.add_argument("--output", type=Path, default=REPORT,
+                        help=f"where the table goes (default: {REPORT.relative_to(ROOT)})")
     args = parser.parse_args()
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
     if args.report:
-        write_report(json.loads(args.state.read_text()))
+        write_report(json.loads(args.state.read_text()), args.output)
         return 0
     args.state.parent.mkdir(parents=True, exist_ok=True)
     # `kill` (SIGTERM) stops it as Ctrl-C does: what was recorded stays, for the next run.

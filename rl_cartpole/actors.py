@@ -291,8 +291,8 @@ def parse_args(argv=None):
                         help='Log every log_interval episodes')
     parser.add_argument('--gamma', default=0.99, type=monarch_runs.unit_interval, metavar='G',
                         help='how much to value future rewards')
-    parser.add_argument('--seed', type=monarch_runs.int_at_least(0), default=543, metavar='N',
-                        help="random seed (main.py's, the pytorch/examples script's)")
+    parser.add_argument('--seed', type=monarch_runs.int_at_least(0), default=1, metavar='N',
+                        help="random seed (main.py's, the tutorial's)")
     parser.add_argument("--max_episodes", "--max-episodes", type=monarch_runs.int_at_least(1),
                         default=2000, metavar="N", help="stop, unsolved, after this many episodes")
     monarch_runs.add_arguments(parser)

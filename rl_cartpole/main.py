@@ -40,14 +40,17 @@ TOTAL_EPISODE_STEP = 5000  # ours: (above)
 # ours: the pytorch/examples script's command line. The tutorial's flags, --world_size,
 # --log_interval, --gamma and --seed, have no type= and default to 2, 1, 0.1 and 1. The
 # script's have types, the spellings --world-size and --log-interval (both spellings work
-# here), and the defaults 0.99, 543 and 10: 10, as in the tutorial's own sample output.
+# here), and the defaults 0.99, 543 and 10: 10, as in the tutorial's own sample output. The
+# seed is the tutorial's, 1: with the script's 543, torch 2.4 to 2.6 sample actions that
+# teach the policy to push one way only within 20 episodes, and it never learns again
+# (docs/versions.md).
 parser = rpc_harness.ArgumentParser(description='PyTorch RPC RL example')  # ours: the harness's
 parser.add_argument('--world-size', type=int, default=2, metavar='W',  # ours: (above)
                     help='world size for RPC, rank 0 is the agent, others are observers')
 parser.add_argument('--gamma', type=float, default=0.99, metavar='G',  # ours: (above)
                     help='discount factor (default: 0.99)')
-parser.add_argument('--seed', type=int, default=543, metavar='N',  # ours: (above)
-                    help='random seed (default: 543)')
+parser.add_argument('--seed', type=int, default=1, metavar='N',  # ours: (above)
+                    help='random seed (default: 1)')
 parser.add_argument('--log-interval', type=int, default=10, metavar='N',  # ours: (above)
                     help='interval between training status logs (default: 10)')
 add_arguments(parser)  # ours: this project's flags (extras.py); parsed in __main__, below

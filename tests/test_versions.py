@@ -1,0 +1,57 @@
+"""make versions (bench/versions.py): a real run recorded, resumed without running it again, and
+the table written from what was recorded, failures with their last lines."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+SCRIPT = ROOT / "bench" / "versions.py"
+
+
+def versions(*args, timeout=300):
+    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_a_run_is_recorded_then_skipped_when_resumed(tmp_path):
+    state, table = tmp_path / "state.json", tmp_path / "versions.md"
+    common = ["--here", "--label", "this torch", "--program", "rpc_profiling/main.py",
+              "--mode", "spawn-all", "--state", state, "--output", table, "--scratch", tmp_path]
+    first = versions(*common)
+    assert first.returncode == 0, first.stdout + first.stderr
+    run = json.loads(state.read_text())["environments"]["this torch"]["runs"]
+    assert run["rpc_profiling/main.py spawn-all"]["ok"] is True, run
+    assert run["rpc_profiling/main.py spawn-all"]["last_line"].startswith("Summary: ")
+    again = versions(*common)
+    assert again.returncode == 0 and "spawn-all: ran" not in again.stdout, again.stdout
+    # per-rank and torchrun are still to run: the cell is not marked ran
+    assert "| `rpc_profiling/main.py` | · |" in table.read_text()
+
+
+def test_the_table_marks_each_cell_and_gives_each_failure_its_last_line(tmp_path):
+    ran = {"ok": True, "seconds": 9, "last_line": "Summary: ...", "why": None}
+    failed = {"ok": False, "seconds": 9, "last_line": "Summary: 60 episodes, not solved",
+              "why": "did not learn"}
+    runs = {f"rl_cartpole/main.py {mode}": ran for mode in ("per-rank", "torchrun")}
+    state = {"machine": "a test", "seconds": 60, "environments": {
+        "torch 2.4.1": {"python_minor": "3.11", "versions": {"torch": "2.4.1"},
+                        "runs": {**runs, "rl_cartpole/main.py spawn-all": failed}},
+        "torch 2.5.1": {"python_minor": "3.11", "versions": {"torch": "2.5.1"},
+                        "runs": {**runs, "rl_cartpole/main.py spawn-all": ran}},
+        "Python 3.14": {"python_minor": "3.14", "missing_python": True,
+                        "resolved": {"torch": "2.15.0", "torchmonarch": None}, "runs": {}}}}
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(state))
+    table = tmp_path / "versions.md"
+    written = versions("--report", "--state", path, "--output", table)
+    assert written.returncode == 0, written.stderr
+    text = table.read_text()
+    assert "| `rl_cartpole/main.py` | ✗ 1 | ✓ | – |" in text
+    assert "| `rl_cartpole/batch.py` | · | · | – |" in text  # not run yet
+    assert "`rl_cartpole/main.py`, torch 2.4.1, spawn-all: did not learn" in text
+    assert "Summary: 60 episodes, not solved" in text
+    assert "Python 3.14: this machine has no such Python" in text
