@@ -488,6 +488,8 @@ def run_matrix(args):
     matrix_started = time.monotonic()
     state["machine"] = machine()
     state["updated"] = datetime.date.today().isoformat()
+    if not args.here and not args.env:
+        state["planned"] = [environment.label for environment in chosen]
     try:
         for environment in chosen:
             record = state["environments"].setdefault(environment.label, {"runs": {}})
@@ -639,15 +641,20 @@ def cell_mark(record, program):
 
 
 def write_report(state, path=REPORT):
-    columns = list(state["environments"].items())
+    # Every environment of the matrix, in its order, those not run yet too; then any other.
+    planned = state.get("planned", [])
+    labels = planned + [label for label in state["environments"] if label not in planned]
+    columns = [(label, state["environments"].get(label, {"runs": {}})) for label in labels]
     commits = sorted({c for _, record in columns for c in record.get("commits", [])})
+    torch_python = next((record["python_minor"] for label, record in columns
+                         if label.startswith("torch ") and record.get("python_minor")), "?")
     lines = ["# Which program runs on which torch and Python", "",
              f"Written by `make versions` (bench/versions.py), last run on "
              f"{state.get('updated', '?')}, on {state.get('machine', '?')}: "
              f"{_minutes(state.get('seconds', 0))} of running, installs included, on commit "
              f"{', '.join(commits) or '?'} of this repository.",
              "Each column is an environment of its own: a torch minor's newest patch on Python "
-             f"{columns[0][1].get('python_minor', '?') if columns else '?'}, or a Python on "
+             f"{torch_python}, or a Python on "
              "the newest torch that has wheels for it. A cell is one program in that "
              "environment, run in every launch mode it has (every rank from one command, a "
              "rank a terminal, torchrun; the Monarch programs their own way) with its README's "
@@ -661,10 +668,11 @@ def write_report(state, path=REPORT):
     versions_row = []
     for _, record in columns:
         found = record.get("versions") or record.get("resolved") or {}
-        versions_row.append(" ".join(f"{name.replace('torch', 'torch ')} {found[name]}"
-                                     if name != "python" else f"Python {found[name]}"
-                                     for name in ("python", "torch", "torchvision",
-                                                  "torchmonarch") if found.get(name)) or "?")
+        versions_row.append(", ".join(f"{label} {found[name]}" for name, label in
+                                      (("python", "Python"), ("torch", "torch"),
+                                       ("torchvision", "torchvision"),
+                                       ("torchmonarch", "torchmonarch")) if found.get(name))
+                            or "·")
     lines.append("| (installed) | " + " | ".join(versions_row) + " |")
     notes = []
     for program in PROGRAMS:
