@@ -649,20 +649,23 @@ def write_report(state, path=REPORT):
     torch_python = next((record["python_minor"] for label, record in columns
                          if label.startswith("torch ") and record.get("python_minor")), "?")
     lines = ["# Which program runs on which torch and Python", "",
-             f"Written by `make versions` (bench/versions.py), last run on "
-             f"{state.get('updated', '?')}, on {state.get('machine', '?')}: "
-             f"{_minutes(state.get('seconds', 0))} of running, installs included, on commit "
-             f"{', '.join(commits) or '?'} of this repository.",
-             "Each column is an environment of its own: a torch minor's newest patch on Python "
-             f"{torch_python}, or a Python on "
-             "the newest torch that has wheels for it. A cell is one program in that "
-             "environment, run in every launch mode it has (every rank from one command, a "
-             "rank a terminal, torchrun; the Monarch programs their own way) with its README's "
-             "first command made shorter by flags. ✓: every run exited 0 and left nothing "
-             "running; the run from one command (or Monarch's) also learned what its tests "
-             "check at that size, and the others, at their smallest, wrote their summary. "
-             "✗ n: note n below. ·: not run yet. –: does not apply (no wheel, or no such "
-             "Python on this machine).", ""]
+             "Written by `make versions` (bench/versions.py). "
+             f"Last run: {state.get('updated', '?')}, on {state.get('machine', '?')}. "
+             f"It ran for {_minutes(state.get('seconds', 0))}, installs included. "
+             f"Commits of this repository: {', '.join(commits) or '?'}.", "",
+             "Each column is an environment of its own. A torch column is that minor's newest "
+             f"patch, on Python {torch_python}. A Python column is that Python on the newest "
+             "torch that has wheels for it.", "",
+             "A cell is one program in one environment. It runs in every launch mode the "
+             "program has: every rank from one command, a rank a terminal, and torchrun. The "
+             "Monarch programs run their own way. Each run is the README's first command, "
+             "made shorter by flags.", "",
+             "- ✓: every run exited 0 and left nothing running. The run from one command, or "
+             "the Monarch program's run, also learned what its tests check at that size. The "
+             "other runs are the program's smallest, and wrote their summary.",
+             "- ✗ n: see note n below.",
+             "- ·: not run yet.",
+             "- –: does not apply: no wheel, or no such Python on this machine.", ""]
     header = "| program | " + " | ".join(label for label, _ in columns) + " |"
     lines += [header, "|---" * (len(columns) + 1) + "|"]
     versions_row = []
@@ -670,10 +673,10 @@ def write_report(state, path=REPORT):
         found = record.get("versions") or record.get("resolved") or {}
         versions_row.append(", ".join(f"{label} {found[name]}" for name, label in
                                       (("python", "Python"), ("torch", "torch"),
-                                       ("torchvision", "torchvision"),
-                                       ("torchmonarch", "torchmonarch")) if found.get(name))
+                                       ("torchvision", "vision"),
+                                       ("torchmonarch", "Monarch")) if found.get(name))
                             or "·")
-    lines.append("| (installed) | " + " | ".join(versions_row) + " |")
+    lines.append("| (what it had) | " + " | ".join(versions_row) + " |")
     notes = []
     for program in PROGRAMS:
         cells = []
@@ -689,8 +692,8 @@ def write_report(state, path=REPORT):
     for label, record in columns:
         if record.get("missing_python"):
             resolved = record.get("resolved", {})
-            lines.append(f"{label}: this machine has no such Python, so nothing ran. Its "
-                         f"markers, evaluated by uv for it, give: "
+            lines.append(f"{label}: this machine has no such Python, so nothing ran. uv "
+                         "resolved requirements.txt for it, its markers evaluated: "
                          + ", ".join(f"{name} {version or 'none'}"
                                      for name, version in resolved.items()) + ".")
             lines.append("")
@@ -698,8 +701,8 @@ def write_report(state, path=REPORT):
         lines += ["## Runs that did not count", ""]
         for number, (label, key, failing) in enumerate(notes, 1):
             for mode, result in failing:
-                lines.append(f"{number}. `{key}`, {label}, {mode}: {result['why']}. Last line: "
-                             f"`{result['last_line']}`")
+                lines.append(f"{number}. `{key}`, {label}, {mode}: {result['why']}. Its "
+                             f"last line: `{result['last_line']}`")
         lines.append("")
     path.write_text("\n".join(lines))
     print(f"Wrote {path}", flush=True)

@@ -103,7 +103,7 @@ def test_the_versions_table_has_a_column_for_every_claimed_release():
     major, low = map(int, floor.split("."))
     high = int(newest.split(".")[1])
     assert torch_minors == [f"{major}.{minor}" for minor in range(low, high + 1)]
-    torch_columns_python = re.search(r"newest patch on Python (3\.\d+)", " ".join(text.split()))
+    torch_columns_python = re.search(r"newest patch, on Python (3\.\d+)", " ".join(text.split()))
     assert torch_columns_python, "docs/versions.md does not say which Python the torch columns use"
     assert sorted([*pythons, torch_columns_python[1]], key=lambda v: int(v.split(".")[1])) \
         == _claimed_pythons()
