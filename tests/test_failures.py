@@ -494,7 +494,12 @@ def _read_lines_then_close(cmd, lines, tmp_path, timeout=120):
             assert process.stdout.readline(), "the run ended before it printed enough lines"
         process.stdout.close()
         process.wait(timeout=timeout)
-        left = _processes(lambda stat: stat[2] == process.pid)
+        # what is left 10 s on, polled, as Run.leftovers() does: multiprocessing's resource
+        # tracker ends a moment after the command
+        deadline = time.monotonic() + 10
+        while (left := _processes(lambda stat: stat[2] == process.pid)) and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
