@@ -42,8 +42,8 @@ TOTAL_EPISODE_STEP = 5000  # ours: (above)
 # script's have types, the spellings --world-size and --log-interval (both spellings work
 # here), and the defaults 0.99, 543 and 10: 10, as in the tutorial's own sample output. The
 # seed is the tutorial's, 1: with the script's 543, torch 2.4 to 2.6 sample actions that
-# teach the policy to push one way only within 20 episodes, and it never learns again
-# (docs/versions.md).
+# teach the policy to push one way only within 20 episodes, and it never learns again (found
+# by make versions; README.md says more).
 parser = rpc_harness.ArgumentParser(description='PyTorch RPC RL example')  # ours: the harness's
 parser.add_argument('--world-size', type=int, default=2, metavar='W',  # ours: (above)
                     help='world size for RPC, rank 0 is the agent, others are observers')
