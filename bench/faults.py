@@ -17,6 +17,10 @@ the Monarch programs' own, `monarch`) and a fault:
     never-comes    one rank never started (per-rank)
     other-flags    one rank started with a flag that differs (per-rank)
     raise          the rank's own code raises (bench/fault_injection/sitecustomize.py)
+    pipe-closed    the output of a terminal (the victim's, per-rank) piped into a program that
+                   stops reading, as `| head` does: its standard output is a pipe, closed once
+                   the run is under way
+    bad-path       --summary_json in a folder that does not exist, for every rank
 
 Each terminal is a command in a session of its own, its standard output and error in one file,
 in the order a terminal shows them. For each cell: each terminal's last line and exit status,
@@ -111,12 +115,18 @@ PROGRAMS = [
 ]
 BY_PATH = {program.path: program for program in PROGRAMS}
 FAULTS = ["kill-rank", "kill-command", "ctrl-c", "ctrl-c-again", "sigterm", "sigterm-again",
-          "stop", "never-comes", "other-flags", "raise"]
+          "stop", "never-comes", "other-flags", "raise", "pipe-closed", "bad-path"]
+# The status a shell gives a program whose output pipe closed under it (128 + SIGPIPE).
+PIPE_CLOSED = 128 + signal.SIGPIPE
+# A path that no run can write: --summary_json in a folder that is not there.
+BAD_PATH = "/nonexistent-folder-of-make-faults/summary.json"
 # A repeated signal's presses and the gap between them, which change from cell to cell.
 MODES = ["spawn-all", "per-rank", "torchrun", "monarch"]
 REPEATS = [(2, 0.1), (3, 0.3), (2, 0.5), (3, 0.1), (2, 0.3), (3, 0.5)]
 # Faults that need terminals of their own: one command starts every rank otherwise.
 PER_RANK_ONLY = {"never-comes", "other-flags"}
+# Faults that are there from the start: the cell does not wait for the run to get under way.
+FROM_THE_START = PER_RANK_ONLY | {"bad-path"}
 # Faults whose cells spend most of their time waiting for a bound to pass.
 WAITING_FAULTS = {"never-comes", "other-flags", "stop"}
 QUICK = ["param_server/main.py", "param_server/actors.py"]
@@ -217,18 +227,38 @@ class Terminal:
     """One command, as a user starts it in a terminal: a session of its own, its standard
     output and error in one file."""
 
-    def __init__(self, name, cmd, env, folder):
+    def __init__(self, name, cmd, env, folder, piped=False):
         self.name = name
         self.log = folder / f"{re.sub(r'[^a-z0-9]+', '-', name.lower())}.log"
         self.cmd = [str(part) for part in cmd]
+        self.piped = piped  # its standard output a pipe that this program reads, until closed
         with _in_play_lock:
             if _ending.is_set():  # Ctrl-C or SIGTERM to this program: no new terminal
                 raise _Ended()
             with open(self.log, "w") as log:
-                self.proc = subprocess.Popen(self.cmd, env=env, cwd=ROOT, stdout=log,
-                                             stderr=subprocess.STDOUT, start_new_session=True)
+                self.proc = subprocess.Popen(
+                    self.cmd, env=env, cwd=ROOT, stderr=log if piped else subprocess.STDOUT,
+                    stdout=subprocess.PIPE if piped else log, start_new_session=True)
             _in_play.append(self)
         self.ended_at = None
+        if piped:
+            self.stop_reading = threading.Event()
+            threading.Thread(target=self._read_the_pipe, daemon=True).start()
+
+    def _read_the_pipe(self):
+        """Copy what comes down the pipe to the log, as a terminal after `| head` shows it;
+        once close_pipe() was called, close the pipe at the next line, as `head` does once it
+        has its lines: the program's next write meets a pipe that nobody reads."""
+        with open(self.log, "ab") as log:
+            for line in iter(self.proc.stdout.readline, b""):
+                if self.stop_reading.is_set():
+                    break
+                log.write(line)
+                log.flush()
+        self.proc.stdout.close()
+
+    def close_pipe(self):
+        self.stop_reading.set()
 
     @property
     def output(self):
@@ -271,25 +301,28 @@ class Cell:
     left: int = 0  # processes alive LEFT_SECONDS after the terminals ended
     problem: str = ""  # what did not happen as it should, if anything
     wall: float = None  # the cell's own seconds, from its first terminal's start
+    tracebacks: list = field(default_factory=list)  # the terminals that showed a traceback
 
 
 def start_terminals(program, mode, fault, port, env, folder):
     """The cell's terminals (for per-rank, in a start order that changes from program to
     program) and the start order."""
-    common = [*program.endless, "--master_port", port, "--init_timeout", INIT_TIMEOUT,
+    endless = [*program.endless, *(["--summary_json", BAD_PATH] if fault == "bad-path" else [])]
+    common = [*endless, "--master_port", port, "--init_timeout", INIT_TIMEOUT,
               "--rpc_timeout", RPC_TIMEOUT]
     script = ROOT / program.path
+    piped = fault == "pipe-closed"
     if mode == "monarch":
-        flags = [*program.endless, "--init_timeout", 60, "--call_timeout", RPC_TIMEOUT]
-        return [Terminal("controller", [PY, script, *flags], env, folder)], []
+        flags = [*endless, "--init_timeout", 60, "--call_timeout", RPC_TIMEOUT]
+        return [Terminal("controller", [PY, script, *flags], env, folder, piped)], []
     if mode == "spawn-all":
         cmd = [PY, script, "--world_size", program.world_size, *common]
-        return [Terminal("command", cmd, env, folder)], []
+        return [Terminal("command", cmd, env, folder, piped)], []
     if mode == "torchrun":
-        flags = [*program.endless, "--init_timeout", INIT_TIMEOUT, "--rpc_timeout", RPC_TIMEOUT]
+        flags = [*endless, "--init_timeout", INIT_TIMEOUT, "--rpc_timeout", RPC_TIMEOUT]
         cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", program.world_size,
                "--master_port", port, script, *flags]
-        return [Terminal("torchrun", cmd, env, folder)], []
+        return [Terminal("torchrun", cmd, env, folder, piped)], []
     ranks = list(range(program.world_size))
     shift = PROGRAMS.index(program) + FAULTS.index(fault)
     order = ranks[shift % len(ranks):] + ranks[:shift % len(ranks)]
@@ -301,7 +334,8 @@ def start_terminals(program, mode, fault, port, env, folder):
             continue
         flags = ["--seed", 7] if fault == "other-flags" and rank == program.victim else []
         cmd = [PY, script, "--world_size", program.world_size, "--rank", rank, *common, *flags]
-        terminals[rank] = Terminal(f"rank {rank}", cmd, env, folder)
+        terminals[rank] = Terminal(f"rank {rank}", cmd, env, folder,
+                                   piped and rank == program.victim)
         time.sleep(0.2)  # one terminal after another, in this order
     return [terminals[rank] for rank in sorted(terminals)], order
 
@@ -415,7 +449,7 @@ def run_cell(program, mode, fault, folder):
     stopped = None
     watching = _Watcher(terminals, known)
     try:
-        if fault in PER_RANK_ONLY:
+        if fault in FROM_THE_START:
             fault_at = time.monotonic()
         elif fault == "raise":
             deadline = time.monotonic() + START_SECONDS
@@ -455,6 +489,8 @@ def run_cell(program, mode, fault, folder):
             for terminal in terminals:
                 _in_play.remove(terminal)
     cell.wall = round(time.monotonic() - cell_started, 1)
+    cell.tracebacks = [terminal.name for terminal in terminals
+                       if "Traceback (most recent call last)" in terminal.output]
     for terminal in terminals:
         seconds = None if terminal.ended_at is None else round(terminal.ended_at - fault_at, 1)
         cell.terminals.append((terminal.name, terminal.last_line(), terminal.proc.returncode,
@@ -482,6 +518,8 @@ def act(program, mode, fault, terminals):
                 else:
                     os.kill(command, signal.SIGTERM)
             time.sleep(gap)
+    elif fault == "pipe-closed":
+        command_of(program, mode, terminals).close_pipe()
     elif fault == "stop":
         pid = rank_process(program, mode, terminals, program.victim)
         os.kill(pid, signal.SIGSTOP)
@@ -509,7 +547,8 @@ HARNESS_LINE = re.compile(
     r"(: interrupted( \(SIGTERM\))?|; stopped (the other ranks|every rank|every process)"
     r"|was killed by \S+|: lost contact with .*\)|failed \(.*\)|gave up on this rank, .*\)"
     r"|with the same (flags|values|program)|give every rank its own --rank"
-    r"|exited with status \d+|(did not come|went away|cannot reach|lost a rank while) .*)$")
+    r"|exited with status \d+|(did not come|went away|cannot reach|lost a rank while) .*"
+    r"|: error: --summary_json .*)$")
 
 
 def check(cell):
@@ -519,11 +558,20 @@ def check(cell):
     left, a terminal still running."""
     if cell.problem:
         return cell.problem
+    if cell.fault in ("pipe-closed", "bad-path") and cell.mode != "torchrun" and cell.tracebacks:
+        return f"{cell.tracebacks[0]}: a traceback"
     for name, line, status, _ in cell.terminals:
         killed = cell.fault == "kill-command" and status == -signal.SIGKILL and (
             cell.mode != "per-rank" or name == f"rank {BY_PATH[cell.program].victim}")
+        piped = cell.fault == "pipe-closed" and (
+            cell.mode != "per-rank" or name == f"rank {BY_PATH[cell.program].victim}")
         if status == 0:
             return f"{name}: status 0"
+        if piped and cell.mode != "torchrun":
+            # quiet: what it printed before the pipe closed is its last line
+            if status != PIPE_CLOSED:
+                return f"{name}: status {status} after its pipe closed, not {PIPE_CLOSED}"
+            continue
         if killed or cell.mode == "torchrun":
             continue
         if not HARNESS_LINE.search(line):
