@@ -21,8 +21,9 @@ RUNS), and counts when it exits 0, has written its summary and left nothing runn
 entry point on one environment) is marked ran when every one of its runs counted; otherwise it
 holds each failing run's last line.
 
-Installs use uv with its cache (one torch download is shared by every environment that uses
-it): 20 to 30 s an environment here, against minutes with pip. The results go to
+Installs use uv: 20 to 50 s an environment here with nothing cached, against minutes with pip.
+Each environment has a uv cache of its own, removed with it, so that the disk holds one torch
+at a time (`--shared_cache`: uv's own cache, which keeps every torch). The results go to
 bench/versions.json after every run, so Ctrl-C stops and a later run picks up where it stopped
 (`--again` to start over). At the end, and with `--report`, docs/versions.md is written.
 
@@ -398,13 +399,15 @@ def installed_versions(python):
                                      check=True).stdout)
 
 
-def make_environment(environment, folder):
-    """A virtual environment in `folder` with the column's packages; its Python's path."""
+def make_environment(environment, folder, cache):
+    """A virtual environment in `folder` with the column's packages; its Python's path. `cache`:
+    uv's cache folder for it (None: uv's own, shared by every environment)."""
+    uv_env = {**os.environ, **({"UV_CACHE_DIR": str(cache)} if cache else {})}
     subprocess.run([uv(), "venv", "--quiet", "--python", environment.python, str(folder)],
-                   check=True)
+                   check=True, env=uv_env)
     python = str(folder / "bin" / "python")
     subprocess.run([uv(), "pip", "install", "--quiet", "--python", python,
-                    *requirements(environment)], check=True)
+                    *requirements(environment)], check=True, env=uv_env)
     return python
 
 
@@ -533,7 +536,10 @@ def run_environment(environment, record, runs, progress, args, state):
             progress.say(f"{environment.label}: installing", args.jobs)
             started = time.monotonic()
             try:
-                python = make_environment(environment, folder / "venv")
+                # A cache of its own, removed with it: uv's shared cache keeps every torch, and
+                # twelve of them with their CUDA libraries took 45 GB here.
+                cache = None if args.shared_cache else folder / "uv-cache"
+                python = make_environment(environment, folder / "venv", cache)
             except subprocess.CalledProcessError as error:
                 record["install_error"] = f"install failed (status {error.returncode})"
                 progress.say(f"{environment.label}: {record['install_error']}", args.jobs)
@@ -724,6 +730,10 @@ def main():
                         help="the Python of the torch columns (default: this one)")
     parser.add_argument("--jobs", type=int, default=2,
                         help="runs at a time (default: 2: ranks spend much of a run waiting)")
+    parser.add_argument("--shared_cache", "--shared-cache", action="store_true",
+                        help="install from uv's own cache, shared by every environment: faster "
+                             "where a torch repeats, but it keeps every torch (45 GB here); by "
+                             "default each environment has a cache of its own, removed with it")
     parser.add_argument("--again", action="store_true",
                         help="forget the recorded runs and start over")
     parser.add_argument("--here", action="store_true",
