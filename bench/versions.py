@@ -199,6 +199,9 @@ class Program:
     quick_world_size: int = 2
     quick: list = field(default_factory=list)
     monarch: bool = False
+    # the torch versions ("2.9.1+cu128") that the program refuses by design, in one line and
+    # status 2, where the runs here use Gloo: their cells do not apply, the line noted
+    refuses: object = lambda torch_version: False
 
     @property
     def script(self):
@@ -238,7 +241,7 @@ PROGRAMS = [
             _loss_fell(0.8, first_of=lambda s: {k: v["first_loss"] for k, v in
                                                 _schedules(s).items()},
                        last_of=lambda s: {k: v["last_loss"] for k, v in _schedules(s).items()}),
-            2, PIPELINE_QUICK),
+            2, PIPELINE_QUICK, refuses=lambda version: version.startswith("2.9.")),
     Program("rpc_profiling/main.py", 2, [], _profiled, 2, []),
 ]
 
@@ -306,7 +309,7 @@ def _last_line(path):
     return lines[-1].strip() if lines else "(no output)"
 
 
-def run_program(program, mode, python, env_vars, folder):
+def run_program(program, mode, python, env_vars, folder, torch_version=""):
     """Run `program` in `mode` with `python`; a result: ok, seconds, last_line, why (None
     when it ran and learned)."""
     summary = folder / "summary.json"
@@ -356,6 +359,13 @@ def run_program(program, mode, python, env_vars, folder):
             _running.discard(process.pid)
     output = "".join(log.read_text(errors="replace") for log in logs)
     last_line = _last_line(logs[0])
+    if program.refuses(torch_version):
+        # refused by design: status 2 and its one line is what is expected
+        refused = why == "exit status 2" and "cannot run" in last_line
+        return {"ok": None if refused else False, "seconds": round(seconds, 1),
+                "last_line": last_line,
+                "why": "refuses this torch, in one line" if refused else
+                f"{why or 'ran'}, where it should refuse this torch in one line"}
     if why is None:
         if not summary.exists():
             why = "no summary written"
@@ -567,7 +577,8 @@ def run_environment(environment, record, runs, progress, args, state):
             # Each run's own short temporary folder: Monarch puts Unix sockets there.
             run_env = {**env_vars, "TMPDIR": str(run_folder)}
             try:
-                return program, mode, run_program(program, mode, python, run_env, run_folder)
+                return program, mode, run_program(program, mode, python, run_env, run_folder,
+                                                  record["versions"].get("torch") or "")
             finally:
                 shutil.rmtree(run_folder, ignore_errors=True)
 
@@ -637,7 +648,8 @@ def cell_mark(record, program):
         return "failed", [("install", {"why": record["install_error"], "last_line": ""})]
     results = [(mode, record["runs"].get(f"{program.key} {mode}")) for mode in program.modes]
     if all(result and result["ok"] is None for _, result in results):
-        return "none", []
+        refused = [(mode, result) for mode, result in results if result["last_line"]]
+        return "none", refused[:1]
     failing = [(mode, result) for mode, result in results if result and result["ok"] is False]
     if failing:
         return "failed", failing
@@ -671,7 +683,8 @@ def write_report(state, path=REPORT):
              "other runs are the program's smallest, and wrote their summary.",
              "- ✗ n: see note n below.",
              "- ·: not run yet.",
-             "- –: does not apply: no wheel, or no such Python on this machine.", ""]
+             "- –: does not apply: no wheel, or no such Python on this machine.",
+             "- – n: the program refuses this torch by design, in one line (note n).", ""]
     header = "| program | " + " | ".join(label for label, _ in columns) + " |"
     lines += [header, "|---" * (len(columns) + 1) + "|"]
     versions_row = []
@@ -690,7 +703,7 @@ def write_report(state, path=REPORT):
             mark, failing = cell_mark(record, program)
             if failing:
                 notes.append((label, program.key, failing))
-                cells.append(f"{MARKS['failed']} {len(notes)}")
+                cells.append(f"{MARKS[mark]} {len(notes)}")
             else:
                 cells.append(MARKS[mark])
         lines.append(f"| `{program.key}` | " + " | ".join(cells) + " |")
@@ -704,7 +717,7 @@ def write_report(state, path=REPORT):
                                      for name, version in resolved.items()) + ".")
             lines.append("")
     if notes:
-        lines += ["## Runs that did not count", ""]
+        lines += ["## The notes", ""]
         for number, (label, key, failing) in enumerate(notes, 1):
             for mode, result in failing:
                 lines.append(f"{number}. `{key}`, {label}, {mode}: {result['why']}. Its "

@@ -207,6 +207,19 @@ ONE_F_ONE_B_NEEDS = (f"1F1B over Gloo needs torch 2.8 or later, not {torch.__ver
                      "(pytorch/pytorch#132644)")
 
 
+def gloo_refused_at_start(gpu_count):
+    """Why this torch cannot run the schedules over Gloo, or None. torch 2.9's schedules start by
+    sending each neighbour an int64 and receiving a float32 (PipelineStage's
+    _get_init_p2p_neighbors_ops), and Gloo, which checks sizes, aborts the process ("8 vs 4");
+    2.8 and 2.10 do not (found by make versions)."""
+    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    if version != (2, 9) or choose_backend_and_device(0, 2, gpu_count)[0] == "nccl":
+        return None
+    return (f"pipelining.py cannot run over Gloo on torch {torch.__version__}: its schedules "
+            "start with a send and a receive of different sizes, which Gloo refuses; use torch "
+            "2.8, or 2.10 or later (or a GPU per stage, with NCCL)")
+
+
 def one_f_one_b_works(gpu_count):
     version = tuple(int(part) for part in torch.__version__.split(".")[:2])
     return version >= (2, 8) or choose_backend_and_device(0, 2, gpu_count)[0] == "nccl"
@@ -321,6 +334,9 @@ def check_schedules(parser, args):
     if uneven:
         parser.error(f"--num_split {uneven[0]} does not divide the {args.batch_size} images of a "
                      f"batch (--batch_size): a stage's micro-batches must all have one shape")
+    refused = gloo_refused_at_start(torch.cuda.device_count())
+    if refused:
+        parser.error(refused)
     works = one_f_one_b_works(torch.cuda.device_count())
     if args.schedule is None:
         args.schedule = list(SCHEDULES) if works else ["GPipe"]

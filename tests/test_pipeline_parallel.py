@@ -256,3 +256,18 @@ def test_pipelining_profiled_timeline_shows_both_stages_compute(pipelining_run):
     for stage in ("stage0", "stage1"):
         check_timeline([run], run.log_dir / "trace", ["stage0", "stage1"], stage,
                        {"aten::conv2d", "aten::convolution"})
+
+
+@pytest.mark.parametrize("version, refused", [("2.9.1", True), ("2.8.0", False),
+                                              ("2.10.0", False)])
+def test_pipelining_refuses_torch_2_9_over_gloo_in_one_line(monkeypatch, capsys, version,
+                                                            refused):
+    """torch 2.9's schedules abort the process over Gloo at their first step (make versions
+    found it): there, the command says so before any rank starts, status 2."""
+    monkeypatch.setattr(torch, "__version__", version)
+    argv = ["--master_port", str(find_free_port())]
+    if not refused or torch.cuda.device_count() >= 2:  # NCCL: no Gloo to refuse
+        pipelining.parse_args(argv)
+        return
+    message = bad_input_message(capsys, argv, pipelining)
+    assert f"cannot run over Gloo on torch {version}" in message and "2.10" in message
