@@ -637,7 +637,7 @@ def machine():
 
 # --------- docs/versions.md --------------------
 
-MARKS = {"ran": "✓", "failed": "✗", "pending": "·", "none": "–"}
+MARKS = {"ran": "✓", "partly": "✓·", "failed": "✗", "pending": "·", "none": "–"}
 
 
 def cell_mark(record, program):
@@ -654,7 +654,8 @@ def cell_mark(record, program):
     if failing:
         return "failed", failing
     if any(result is None for _, result in results):
-        return "pending", []
+        learned = [result for mode, result in results if mode in ("spawn-all", "monarch")]
+        return ("partly" if learned and learned[0] and learned[0]["ok"] else "pending"), []
     return "ran", []
 
 
@@ -681,6 +682,8 @@ def write_report(state, path=REPORT):
              "- ✓: every run exited 0 and left nothing running. The run from one command, or "
              "the Monarch program's run, also learned what its tests check at that size. The "
              "other runs are the program's smallest, and wrote their summary.",
+             "- ✓·: the run from one command learned; the other launch modes have not run "
+             "yet.",
              "- ✗ n: see note n below.",
              "- ·: not run yet.",
              "- –: does not apply: no wheel, or no such Python on this machine.",

@@ -41,7 +41,8 @@ def test_the_table_marks_each_cell_and_gives_each_failure_its_last_line(tmp_path
         "torch 2.4.1": {"python_minor": "3.11", "versions": {"torch": "2.4.1"},
                         "runs": {**runs, "rl_cartpole/main.py spawn-all": failed}},
         "torch 2.5.1": {"python_minor": "3.11", "versions": {"torch": "2.5.1"},
-                        "runs": {**runs, "rl_cartpole/main.py spawn-all": ran}},
+                        "runs": {**runs, "rl_cartpole/main.py spawn-all": ran,
+                                 "rl_cartpole/batch.py spawn-all": ran}},
         "Python 3.14": {"python_minor": "3.14", "missing_python": True,
                         "resolved": {"torch": "2.15.0", "torchmonarch": None}, "runs": {}}}}
     path = tmp_path / "state.json"
@@ -51,7 +52,8 @@ def test_the_table_marks_each_cell_and_gives_each_failure_its_last_line(tmp_path
     assert written.returncode == 0, written.stderr
     text = table.read_text()
     assert "| `rl_cartpole/main.py` | ✗ 1 | ✓ | – |" in text
-    assert "| `rl_cartpole/batch.py` | · | · | – |" in text  # not run yet
+    # not run yet; learned from one command, the other modes not run yet
+    assert "| `rl_cartpole/batch.py` | · | ✓· | – |" in text
     assert "`rl_cartpole/main.py`, torch 2.4.1, spawn-all: did not learn" in text
     assert "Summary: 60 episodes, not solved" in text
     assert "Python 3.14: this machine has no such Python" in text
