@@ -424,9 +424,14 @@ def make_environment(environment, folder, cache):
 def resolve_only(environment):
     """For a Python this machine lacks: what requirements.txt resolves to for it (its markers
     evaluated), from the registry, as {name: version}."""
-    pins = subprocess.run([uv(), "pip", "compile", "--quiet", "--no-header", "--python-version",
-                           environment.python_minor, "--python-platform", "x86_64-manylinux_2_28",
-                           *requirements(environment)], capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as folder:
+        wanted = Path(folder) / "requirements.in"  # uv pip compile takes one file, not -r
+        wanted.write_text(f"-r {ROOT / 'requirements.txt'}\n" +
+                          (f"torch=={environment.torch}\n" if environment.torch else ""))
+        pins = subprocess.run([uv(), "pip", "compile", "--quiet", "--no-header",
+                               "--python-version", environment.python_minor,
+                               "--python-platform", "x86_64-manylinux_2_28", str(wanted)],
+                              capture_output=True, text=True)
     if pins.returncode != 0:
         return {"error": _last_line_of(pins.stderr)}
     found = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", pins.stdout, re.M))
