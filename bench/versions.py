@@ -361,7 +361,10 @@ def run_program(program, mode, python, env_vars, folder, torch_version=""):
     last_line = _last_line(logs[0])
     if program.refuses(torch_version):
         # refused by design: status 2 and its one line is what is expected
-        refused = why == "exit status 2" and "cannot run" in last_line
+        # under torchrun, each rank says so and exits 2, and torchrun's agent exits 1
+        refused = (why == "exit status 2" and "cannot run" in last_line) or (
+            mode == "torchrun" and why == "exit status 1" and ": error: " in output
+            and "cannot run" in output)
         return {"ok": None if refused else False, "seconds": round(seconds, 1),
                 "last_line": last_line,
                 "why": "refuses this torch, in one line" if refused else
