@@ -28,8 +28,8 @@ def test_a_run_is_recorded_then_skipped_when_resumed(tmp_path):
     assert run["rpc_profiling/main.py spawn-all"]["last_line"].startswith("Summary: ")
     again = versions(*common)
     assert again.returncode == 0 and "spawn-all: ran" not in again.stdout, again.stdout
-    # per-rank and torchrun are still to run: the cell is not marked ran
-    assert "| `rpc_profiling/main.py` | · |" in table.read_text()
+    # it learned from one command; per-rank and torchrun are still to run
+    assert "| `rpc_profiling/main.py` | ✓· |" in table.read_text()
 
 
 def test_the_table_marks_each_cell_and_gives_each_failure_its_last_line(tmp_path):
