@@ -26,10 +26,13 @@ Each environment has a uv cache of its own, removed with it, so that the disk ho
 at a time (`--shared_cache`: uv's own cache, which keeps every torch). The results go to
 bench/versions.json after every run, so Ctrl-C stops and a later run picks up where it stopped
 (`--again` to start over). At the end, and with `--report`, docs/versions.md is written.
+A lent GPU machine's runs, recorded with `--here` into bench/versions-gpu.json, get a section
+of their own there (`--lent`).
 
     python bench/versions.py                    # the whole matrix
     python bench/versions.py --env "torch 2.6"  # the environments whose label starts so
-    python bench/versions.py --here --label "H200, torch 2.11" --state bench/versions-gpu.json
+    python bench/versions.py --here --label "GPU machine, torch 2.11.0" \
+        --state bench/versions-gpu.json --output /tmp/versions-gpu.md
                                                 # this interpreter as it is, no install
     python bench/versions.py --report           # docs/versions.md from bench/versions.json
 """
@@ -56,6 +59,8 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 STATE = BENCH / "versions.json"
 REPORT = ROOT / "docs" / "versions.md"
+# A lent GPU machine's own torch, run with --here: a section of its own in REPORT.
+LENT = BENCH / "versions-gpu.json"
 RUN_SECONDS = 300  # one run's bound: the slowest here takes about 40 s on 2 busy cores
 MODES = ("spawn-all", "per-rank", "torchrun")
 
@@ -532,7 +537,7 @@ def run_matrix(args):
         state["seconds"] = state.get("seconds", 0) + time.monotonic() - matrix_started
         _save(state, args.state)
         print(f"\nStopped: {progress.done} of {progress.total} runs recorded in "
-              f"{args.state.relative_to(ROOT)}; `make versions` again picks up here.",
+              f"{_shown(args.state)}; `make versions` again picks up here.",
               flush=True)
         return 130
     state["seconds"] = state.get("seconds", 0) + time.monotonic() - matrix_started
@@ -540,8 +545,22 @@ def run_matrix(args):
     print(f"Done: {progress.done} runs in {_minutes(time.monotonic() - matrix_started)} "
           f"this time, {_minutes(state['seconds'])} in all.", flush=True)
     if args.state == STATE or args.output != REPORT:
-        write_report(state, args.output)
+        write_report(state, args.output, lent_machine(args))
     return 0
+
+
+def _shown(path):
+    """A path as a reader of the terminal wants it: from the checkout where it lies there."""
+    path = Path(path).resolve()
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
+def lent_machine(args):
+    """The runs recorded on a lent GPU machine (--lent), where they exist, for the report of a
+    matrix (not for that of a --here run)."""
+    if args.here or not args.lent or not args.lent.exists():
+        return None
+    return json.loads(args.lent.read_text())
 
 
 def run_environment(environment, record, runs, progress, args, state):
@@ -667,7 +686,8 @@ def cell_mark(record, program):
     return "ran", []
 
 
-def write_report(state, path=REPORT):
+def write_report(state, path=REPORT, lent=None):
+    """The page: the matrix's table, its notes, then the lent GPU machine's column, if any."""
     # Every environment of the matrix, in its order, those not run yet too; then any other.
     planned = state.get("planned", [])
     labels = planned + [label for label in state["environments"] if label not in planned]
@@ -696,8 +716,44 @@ def write_report(state, path=REPORT):
              "- ·: not run yet.",
              "- –: does not apply: no wheel, or no such Python on this machine.",
              "- – n: the program refuses this torch by design, in one line (note n).", ""]
+    notes = []
+    lines += table(columns, notes)
+    for label, record in columns:
+        if record.get("missing_python"):
+            resolved = record.get("resolved", {})
+            lines.append(f"{label}: this machine has no such Python, so nothing ran. uv "
+                         "resolved requirements.txt for it, its markers evaluated: "
+                         + ", ".join(f"{name} {version or 'none'}"
+                                     for name, version in resolved.items()) + ".")
+            lines.append("")
+    if lent:
+        lent_columns = list(lent["environments"].items())
+        lent_commits = sorted({c for _, record in lent_columns
+                               for c in record.get("commits", [])})
+        lines += ["## On a GPU machine", "",
+                  f"The same runs on a lent machine ({lent.get('machine', '?')}), "
+                  f"{lent.get('updated', '?')}, with the torch it has (a CUDA build), nothing "
+                  f"installed: `--here`. Commits: {', '.join(lent_commits) or '?'}. These runs "
+                  "use the CPU, as the READMEs' first commands do. The GPU paths are the `gpu` "
+                  "tests (tests/test_gpu.py, `pytest -m gpu`). A – here means that the "
+                  "machine did not have the package: torchmonarch was not installed there.", ""]
+        lines += table(lent_columns, notes)
+    if notes:
+        lines += ["## The notes", ""]
+        for number, (label, key, failing) in enumerate(notes, 1):
+            for mode, result in failing:
+                lines.append(f"{number}. `{key}`, {label}, {mode}: {result['why']}. Its "
+                             f"last line: `{result['last_line']}`")
+        lines.append("")
+    path.write_text("\n".join(lines))
+    print(f"Wrote {path}", flush=True)
+
+
+def table(columns, notes):
+    """The table's lines: programs down, columns across; each failing cell's note appended to
+    notes, numbered on from those already there."""
     header = "| program | " + " | ".join(label for label, _ in columns) + " |"
-    lines += [header, "|---" * (len(columns) + 1) + "|"]
+    lines = [header, "|---" * (len(columns) + 1) + "|"]
     versions_row = []
     for _, record in columns:
         found = record.get("versions") or record.get("resolved") or {}
@@ -707,7 +763,6 @@ def write_report(state, path=REPORT):
                                        ("torchmonarch", "Monarch")) if found.get(name))
                             or "·")
     lines.append("| (what it had) | " + " | ".join(versions_row) + " |")
-    notes = []
     for program in PROGRAMS:
         cells = []
         for label, record in columns:
@@ -719,23 +774,7 @@ def write_report(state, path=REPORT):
                 cells.append(MARKS[mark])
         lines.append(f"| `{program.key}` | " + " | ".join(cells) + " |")
     lines.append("")
-    for label, record in columns:
-        if record.get("missing_python"):
-            resolved = record.get("resolved", {})
-            lines.append(f"{label}: this machine has no such Python, so nothing ran. uv "
-                         "resolved requirements.txt for it, its markers evaluated: "
-                         + ", ".join(f"{name} {version or 'none'}"
-                                     for name, version in resolved.items()) + ".")
-            lines.append("")
-    if notes:
-        lines += ["## The notes", ""]
-        for number, (label, key, failing) in enumerate(notes, 1):
-            for mode, result in failing:
-                lines.append(f"{number}. `{key}`, {label}, {mode}: {result['why']}. Its "
-                             f"last line: `{result['last_line']}`")
-        lines.append("")
-    path.write_text("\n".join(lines))
-    print(f"Wrote {path}", flush=True)
+    return lines
 
 
 def main():
@@ -770,13 +809,17 @@ def main():
                         help="where environments are made (default: the temporary folder)")
     parser.add_argument("--report", action="store_true",
                         help="write the table from the recorded runs, and run nothing")
+    parser.add_argument("--lent", type=Path, default=LENT,
+                        help="the runs recorded with --here on a lent GPU machine, given a "
+                             f"section of their own in the table (default: {_shown(LENT)}, "
+                             "where it exists)")
     parser.add_argument("--output", type=Path, default=REPORT,
                         help=f"where the table goes (default: {REPORT.relative_to(ROOT)})")
     args = parser.parse_args()
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
     if args.report:
-        write_report(json.loads(args.state.read_text()), args.output)
+        write_report(json.loads(args.state.read_text()), args.output, lent_machine(args))
         return 0
     args.state.parent.mkdir(parents=True, exist_ok=True)
     # `kill` (SIGTERM) stops it as Ctrl-C does: what was recorded stays, for the next run.

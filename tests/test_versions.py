@@ -47,8 +47,14 @@ def test_the_table_marks_each_cell_and_gives_each_failure_its_last_line(tmp_path
                         "resolved": {"torch": "2.15.0", "torchmonarch": None}, "runs": {}}}}
     path = tmp_path / "state.json"
     path.write_text(json.dumps(state))
+    # a lent GPU machine's run with --here: a section of its own, its notes numbered on
+    lent = {"machine": "a GPU machine", "environments": {"GPU, torch 2.11.0": {
+        "python_minor": "3.12", "versions": {"torch": "2.11.0"},
+        "runs": {**runs, "rl_cartpole/main.py spawn-all": failed}}}}
+    lent_path = tmp_path / "lent.json"
+    lent_path.write_text(json.dumps(lent))
     table = tmp_path / "versions.md"
-    written = versions("--report", "--state", path, "--output", table)
+    written = versions("--report", "--state", path, "--lent", lent_path, "--output", table)
     assert written.returncode == 0, written.stderr
     text = table.read_text()
     assert "| `rl_cartpole/main.py` | ✗ 1 | ✓ | – |" in text
@@ -57,3 +63,6 @@ def test_the_table_marks_each_cell_and_gives_each_failure_its_last_line(tmp_path
     assert "`rl_cartpole/main.py`, torch 2.4.1, spawn-all: did not learn" in text
     assert "Summary: 60 episodes, not solved" in text
     assert "Python 3.14: this machine has no such Python" in text
+    gpu_section = text.split("## On a GPU machine")[1]
+    assert "| `rl_cartpole/main.py` | ✗ 2 |" in gpu_section
+    assert "`rl_cartpole/main.py`, GPU, torch 2.11.0, spawn-all: did not learn" in text
