@@ -1,3 +1,4 @@
+# `make setup`: .venv with what the examples need, and nothing run.
 # `make run`: every example end to end with small settings. `make test`: lint and tests.
 # Both create .venv on first use and install into it, editable, this project (pyproject.toml):
 # rpc_harness, the package every example imports; `make run` what requirements.txt lists,
@@ -11,7 +12,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 OLDEST := .venv-oldest
 
-.PHONY: run test test-quick test-oldest bench faults versions pictures docs clean
+.PHONY: setup run test test-quick test-oldest bench faults versions pictures docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +20,8 @@ $(PY):
 $(VENV)/.run-installed: requirements.txt pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -r requirements.txt -e .
 	touch $@
+
+setup: $(VENV)/.run-installed
 
 $(VENV)/.dev-installed: requirements-newest.txt requirements-dev.txt pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -r requirements-newest.txt -r requirements-dev.txt -e .
