@@ -1,14 +1,19 @@
 """The pages a reader reads: every link to a line of code points at what it names, the front
 page and each example's page stay short, and their English plain (sentences of about 18 words,
 none over 35). `make docs` reruns the sample outputs and points the links again
-(docs/make_docs.py)."""
+(docs/make_docs.py). Nothing on a page is stale: every flag that a page or a program's --help
+names is a flag of that program, and one that the program reads; every relative link and
+picture is there, and every picture is shown; every sample output's command still parses, and
+each of its lines has the shape of a line that the program prints now (tests/programs.py)."""
 
 import re
 import subprocess
 import sys
+from pathlib import Path
 
+import programs
 import pytest
-from conftest import ROOT
+from conftest import ROOT, needs_monarch
 
 sys.path.insert(0, str(ROOT / "docs"))
 import make_docs  # noqa: E402
@@ -87,3 +92,92 @@ def test_every_sample_output_has_been_run(path):
     for match in make_docs.BLOCK.finditer(path.read_text()):
         assert re.search(r"```text\n.+\n```\nIt took [\d.]+ s on \d+ CPU cores?\.",
                          match.group("body"), re.S), f"{match.group('command')}: run `make docs`"
+
+
+# --------- Flags --------------------
+
+PROGRAMS = [script for example in EXAMPLES for script in programs.entry_points(example)]
+
+
+def program(script):
+    """The program's parser and --help (tests/programs.py), or the test skipped where the
+    program needs Monarch and Monarch is missing."""
+    if programs.uses_monarch(script):
+        needs_monarch()
+    return programs.parsed(script)
+
+
+@pytest.mark.parametrize("script", PROGRAMS)
+def test_every_flag_of_a_program_is_read(script):
+    """A flag whose value nothing reads (not the program, nor rpc_harness) does nothing."""
+    unread = program(script).dests - programs.reads(programs.sources(script))
+    assert not unread, f"{script}: nothing reads the value of {sorted(unread)}"
+
+
+@pytest.mark.parametrize("script", PROGRAMS)
+def test_every_flag_that_a_help_names_is_a_flag(script):
+    parsed = program(script)
+    named = set(re.findall(r"(?<![\w-])--[A-Za-z][\w-]*", parsed.help))
+    missing = named - parsed.options()
+    assert not missing, f"`{script} --help` names {sorted(missing)}, which it does not take"
+
+
+def shown_commands(path):
+    """The commands that a page shows, but those of its sample outputs (tested below)."""
+    return programs.commands(path, programs.code_on_page(path.read_text()))
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=[str(p.relative_to(ROOT)) for p in MARKDOWN])
+def test_every_command_on_a_page_parses(path):
+    """Each command that a page shows runs a program that is there, with flags and values
+    that its parser takes (and torchrun's, before the program)."""
+    for command in shown_commands(path):
+        if "..." in command.argv:  # a command's shape (`python main.py ...`): its flags, below
+            continue
+        assert command.script, f"`{command.text}`: no such program"
+        error = program(command.script).error(command.argv)
+        assert error is None, f"`{command.text}`: {error}"
+        if command.torchrun_argv:
+            error = programs.torchrun().error([*command.torchrun_argv, command.script])
+            assert error is None, f"`{command.text}`: {error}"
+
+
+# The pages whose flags in inline code (`--max_batches`) name the programs of today. bench/'s
+# pages also report the variants that bench.py runs from earlier commits (their flags of then).
+FLAG_PAGES = [path for path in PAGES if path.parent.name != "bench"]
+
+
+def page_programs(path):
+    """The programs whose flags a page may name: its folder's, or on a page outside the
+    examples every example's; torchrun's; and those of any program the page runs or names."""
+    folder = path.parent.relative_to(ROOT)
+    scripts = [script for script in PROGRAMS
+               if str(folder) not in EXAMPLES or script.startswith(f"{folder}/")]
+    named = {str(match.relative_to(ROOT)) for match in
+             (ROOT / word for word in re.findall(r"[\w/]+\.py\b", path.read_text()))
+             if match.is_file()}
+    scripts += [script for script in sorted(named)
+                if script in programs.entry_points(str(Path(script).parent))
+                and not script.startswith(("rpc_harness/", "tests/"))]
+    found = [programs.torchrun()]
+    for script in dict.fromkeys(scripts):
+        if programs.uses_monarch(script):
+            try:
+                needs_monarch()
+            except pytest.skip.Exception:
+                continue
+        found.append(programs.parsed(script))
+    return found
+
+
+@pytest.mark.parametrize("path", FLAG_PAGES, ids=[str(p.relative_to(ROOT)) for p in FLAG_PAGES])
+def test_every_flag_a_page_names_is_a_flag(path):
+    named = set()
+    for piece in programs.code_on_page(path.read_text()):
+        named |= set(re.findall(r"^--[A-Za-z][\w-]*", piece))
+    for command in shown_commands(path):
+        if "..." in command.argv:
+            named |= {word.split("=")[0] for word in command.argv if word.startswith("--")}
+    options = set().union(*(parsed.options() for parsed in page_programs(path)))
+    missing = named - options - {"--help"}
+    assert not missing, f"{sorted(missing)}: no program of this page takes it"
