@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import unquote
 
 import programs
 import pytest
@@ -181,3 +182,75 @@ def test_every_flag_a_page_names_is_a_flag(path):
     options = set().union(*(parsed.options() for parsed in page_programs(path)))
     missing = named - options - {"--help"}
     assert not missing, f"{sorted(missing)}: no program of this page takes it"
+
+
+# --------- Links and pictures --------------------
+
+TRACKED = {ROOT / name for name in subprocess.run(
+    ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()}
+FOLDERS = {folder for path in TRACKED for folder in path.parents}
+PICTURES = sorted(path for path in TRACKED if path.suffix in (".png", ".svg"))
+
+
+def link_targets(text):
+    """The targets of a page's links and pictures (`[text](target)`, `![alt](target)`,
+    `[name]: target`, `<img src="target">`), outside its code."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    text = re.sub(r"(?<!`)`[^`\n]+`(?!`)", "", text)
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    targets = re.findall(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", text)
+    targets += re.findall(r"^\s*\[[^\]]+\]:\s*(\S+)", text, re.M)
+    targets += re.findall(r"<(?:img|a)\b[^>]*\b(?:src|href)=\"([^\"]+)\"", text)
+    return targets
+
+
+def relative_links(path):
+    """(target as written, the file it names, its #fragment or None) of each relative link."""
+    found = []
+    for target in link_targets(path.read_text()):
+        if re.match(r"[A-Za-z][\w+.-]*:|//", target):  # https:, mailto:, ...
+            continue
+        file, _, fragment = target.partition("#")
+        named = (path.parent / unquote(file)).resolve() if file else path
+        found.append((target, named, unquote(fragment) if "#" in target else None))
+    return found
+
+
+def github_anchors(text):
+    """The anchors GitHub gives a page's headings: the heading's text without its markup, in
+    lower case, with what is not a letter, digit, space, - or _ removed and spaces made -; a
+    second heading of the same anchor gets -1, a third -2. And the page's own <a name=...>."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    anchors, seen = set(), {}
+    for heading in re.findall(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", text, re.M):
+        heading = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+        heading = re.sub(r"<[^>]+>", "", heading)
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors | set(re.findall(r"<a\s+(?:name|id)=\"([^\"]+)\"", text))
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=[str(p.relative_to(ROOT)) for p in MARKDOWN])
+def test_every_relative_link_resolves(path):
+    """Each relative link names a file or folder of the repository, a heading of the page it
+    names (GitHub's anchors), or a line that the file has (#L42)."""
+    for target, named, fragment in relative_links(path):
+        assert named in TRACKED or named in FOLDERS, f"{target}: no such file in the repository"
+        if not fragment:
+            continue
+        if named.suffix == ".md":
+            anchors = github_anchors(named.read_text())
+            assert fragment in anchors, f"{target}: no such heading ({sorted(anchors)})"
+        else:
+            lines = re.fullmatch(r"L(\d+)(?:-L(\d+))?", fragment)
+            assert lines, f"{target}: a file other than a page has only line anchors (#L42)"
+            length = len(named.read_text().splitlines())
+            assert max(int(n) for n in lines.groups() if n) <= length, (
+                f"{target}: {named.name} has {length} lines")
+
+
+def test_every_picture_is_shown():
+    shown = {named for path in MARKDOWN for _, named, _ in relative_links(path)}
+    unshown = [str(path.relative_to(ROOT)) for path in PICTURES if path not in shown]
+    assert not unshown, f"no page shows {unshown}"
