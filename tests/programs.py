@@ -191,29 +191,58 @@ def _formats(tree):
 
 
 def _pattern(line):
-    """A line of a format as a regular expression: its text as it is, any value in a FIELD."""
-    return "".join(".*" if part == FIELD else re.escape(part)
+    """A line of a format as a regular expression: its text as it is, a group for each FIELD."""
+    return "".join("(.*?)" if part == FIELD else re.escape(part)
                    for part in re.split(f"({FIELD})", line))
 
 
 @functools.cache
 def line_patterns(files):
     """The lines that the code can print, each as a pattern built from its format: its words as
-    they are, any value where the format has a field. A format of fewer than three letters
-    (`f"{name}: {line}"`) would match almost any line, and so is left out."""
+    they are, any value where the format has a field. A format with no letter, or with fewer
+    than three characters besides its fields and spaces (`f"{name}: {line}"`), would match
+    almost any line, and so is left out."""
     patterns = set()
     for path in files:
         for text in _formats(ast.parse(path.read_text())):
             for line in text.split("\n"):
-                if len(re.findall(r"[A-Za-z]", line.replace(FIELD, ""))) >= 3:
+                words = re.sub(r"\s", "", line.replace(FIELD, ""))
+                if len(words) >= 3 and re.search(r"[A-Za-z]", words):
                     patterns.add(_pattern(line))
     return [re.compile(pattern) for pattern in sorted(patterns)]
 
 
+# A value that a field holds: a word (a number, a name, a path), or a list of them (", ").
+VALUE = re.compile(r"[^\s,]*(?:, [^\s,]+)*")
+
+
+def prints(patterns, line, depth=3):
+    """Whether the line has the shape of a line that the patterns print: one of them matches it
+    whole, its words where they are. A format that starts with a value must not take the
+    words of another line for it: that value is a word, or a part that another pattern prints
+    (as `f"{name}: joined the other ..."` holds the start of a line whose end is
+    `f"{threads} thread, as it computes little ..."`), to depth. A line may start with a
+    capital where its format starts in lower case."""
+    texts = {line, line[:1].lower() + line[1:]}
+    for pattern in patterns:
+        for text in texts:
+            match = pattern.fullmatch(text)
+            if not match:
+                continue
+            if not pattern.pattern.startswith("(.*?)") or match.start(1) != 0:
+                return True
+            first = match.group(1)
+            if VALUE.fullmatch(first) or (depth > 1 and prints(patterns, first, depth - 1)):
+                return True
+    return False
+
+
 # logging's own format (logging.BASIC_FORMAT, "LEVEL:logger:message"), which a program that
-# logs through logging.basicConfig() prints before each message (rpc_profiling's recipe).
-LOG_PREFIX = re.compile(_pattern(re.sub(r"%\(\w+\)s", FIELD,
-                                        logging.BASIC_FORMAT.replace("%(message)s", ""))))
+# logs through logging.basicConfig() prints before each message (rpc_profiling's recipe): what
+# comes before the message, each field a word.
+LOG_PREFIX = re.compile("".join(
+    r"[\w.]+" if part.startswith("%(") else re.escape(part)
+    for part in re.split(r"(%\(\w+\)s)", logging.BASIC_FORMAT.split("%(message)s")[0]) if part))
 
 
 # --------- The commands a page shows --------------------

@@ -254,3 +254,55 @@ def test_every_picture_is_shown():
     shown = {named for path in MARKDOWN for _, named, _ in relative_links(path)}
     unshown = [str(path.relative_to(ROOT)) for path in PICTURES if path not in shown]
     assert not unshown, f"no page shows {unshown}"
+
+
+# --------- Sample outputs --------------------
+
+SAMPLES = [(path, match) for path in MARKDOWN
+           for match in make_docs.BLOCK.finditer(path.read_text())]
+
+# Lines that a sample shows but that no program of this repository writes, each known by
+# where it comes from: torch.profiler's tables (rpc_profiling prints key_averages().table(): a
+# rule of dashes, the header, rows and rules, then its "Self CPU time total"), and Monarch's
+# line saying where its own logs go.
+TABLE_RULE = re.compile(r"-+(?:  -+)* *")
+TABLE_END = re.compile(r"Self CPU time total: \S+")
+MONARCH_LOGS = re.compile(r"Monarch internal logs are being written to .*")
+
+
+def own_lines(lines):
+    """The lines of a sample output that its program wrote (not empty, not torch's, not
+    Monarch's)."""
+    in_table = False
+    for line in lines:
+        if TABLE_RULE.fullmatch(line):
+            in_table = True
+        elif in_table:
+            in_table = not TABLE_END.fullmatch(line)
+        elif line.strip() and not MONARCH_LOGS.fullmatch(line):
+            yield line
+
+
+def sample_lines(body):
+    """The lines of a sample output's ```text block."""
+    return re.search(r"```text\n(.*?)\n```", body, re.S).group(1).splitlines()
+
+
+@pytest.mark.parametrize("path, match", SAMPLES,
+                         ids=[f"{p.relative_to(ROOT)}:{m.group('command').split()[1]}"
+                              for p, m in SAMPLES])
+def test_every_sample_output_is_what_its_program_prints_now(path, match):
+    """Each command of a sample still parses with its program's parser, and each line of the
+    output has the shape of a line that the first program (whose output the page shows) prints
+    now: a format of its code, its words as they are, any value where the format has a field."""
+    commands = programs.commands(path, [match.group("command").replace("{port}", "29500")])
+    assert commands, f"{match.group('command')}: no command of a program"
+    for command in commands:
+        error = program(command.script).error(command.argv)
+        assert error is None, f"`{command.text}`: {error}"
+    patterns = programs.line_patterns(programs.sources(commands[0].script))
+    for line in own_lines(sample_lines(match.group("body"))):
+        logged = programs.LOG_PREFIX.match(line)
+        message = line[logged.end():] if logged else line
+        assert programs.prints(patterns, message), (
+            f"{line!r}: {commands[0].script} prints no line of this shape now; run `make docs`")
