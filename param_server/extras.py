@@ -42,8 +42,8 @@ def add_data_arguments(parser):
 def add_step_arguments(parser):
     """batch.py's and actors.py's learning rate (main.py keeps the tutorial's, 0.03)."""
     parser.add_argument("--lr", type=rpc_harness.positive_float, default=None, metavar="RATE",
-                        help="SGD learning rate (default: 0.03 times --batch_update_size, as "
-                             "each step averages that many gradients)")
+                        help="SGD learning rate (default: 0.03 times the number of gradients "
+                             "that each step averages)")
 
 
 def worker_name(rank, world_size):
