@@ -122,12 +122,13 @@ def ddp_rpc_hybrid(batches):
     """EmbeddingBag(sum) and Linear(16, 8) on the example's batches, SGD at its rate:
     iterations per second."""
     hybrid = load_example("ddp_rpc_hybrid")
+    extras = load_example("ddp_rpc_hybrid", "extras")  # main.py's batches, for remote_module.py
     torch.manual_seed(1)
     table = torch.nn.EmbeddingBag(hybrid.NUM_EMBEDDINGS, hybrid.EMBEDDING_DIM, mode="sum")
-    dense = torch.nn.Linear(hybrid.EMBEDDING_DIM, hybrid.NUM_CLASSES)
+    dense = torch.nn.Linear(hybrid.EMBEDDING_DIM, extras.NUM_CLASSES)
     opt = torch.optim.SGD([*table.parameters(), *dense.parameters()], lr=0.05)  # the trainers'
 
-    batches = list(hybrid.get_next_batch(random.Random(1), batches, torch.device("cpu")))
+    batches = list(extras.get_next_batch(random.Random(1), batches, torch.device("cpu")))
     started = time.perf_counter()
     for indices, offsets, target in batches:
         opt.zero_grad()

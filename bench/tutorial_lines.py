@@ -9,7 +9,7 @@ lines left out; spaces and quotes made alike), and the longest run of lines that
 the same order. Two figures: the share of our code lines that are the tutorial's, and the share
 of the tutorial's code lines that are in ours, in order. Then our lines that are not the
 tutorial's and carry no "# ours:" mark (on the line, on its statement's first line, or in a
-comment just above), which should be none."""
+comment above the block of our lines that holds it), which should be none."""
 
 import argparse
 import ast
@@ -37,9 +37,8 @@ PAIRS = [
 ]
 
 
-def code_lines(text):
-    """The lines of code of a Python source, each with its spaces and quotes made alike, and its
-    line number: comments, docstrings and blank lines left out."""
+def docstring_lines(text):
+    """The numbers of the lines of a Python source that hold docstrings."""
     docstrings = set()
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -47,6 +46,13 @@ def code_lines(text):
             if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
                     and isinstance(first.value.value, str)):
                 docstrings.update(range(first.lineno, first.end_lineno + 1))
+    return docstrings
+
+
+def code_lines(text):
+    """The lines of code of a Python source, each with its spaces and quotes made alike, and its
+    line number: comments, docstrings and blank lines left out."""
+    docstrings = docstring_lines(text)
     comments = {}
     for token in tokenize.generate_tokens(io.StringIO(text).readline):
         if token.type == tokenize.COMMENT:
@@ -88,8 +94,10 @@ def in_order(ours, theirs):
 
 def unmarked(text, numbers):
     """Of the line numbers `numbers` (our lines that are not the tutorial's), those with no
-    "# ours:" mark on the line, on the first line of its statement, or in a comment just
-    above."""
+    "# ours:" mark: on the line, on the first line of its statement or on the line above, or
+    above it in the block of our lines that holds it (reading up from the statement's first
+    line over our lines, comments and docstrings, to a blank line or a line of the
+    tutorial's): a block of ours with one comment above it."""
     source = text.splitlines()
     starts = {}
     for node in ast.walk(ast.parse(text)):
@@ -97,11 +105,29 @@ def unmarked(text, numbers):
             for number in range(node.lineno, node.end_lineno + 1):
                 if number not in starts or node.lineno > starts[number]:
                     starts[number] = node.lineno
+    comment_only = set()
+    code = set()
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.COMMENT and token.start[0] not in code:
+            comment_only.add(token.start[0])
+        elif token.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                                tokenize.ENDMARKER, tokenize.COMMENT):
+            for number in range(token.start[0], token.end[0] + 1):
+                code.add(number)
+                comment_only.discard(number)
+    ours = set(numbers) | docstring_lines(text)
     found = []
     for number in numbers:
         first = starts.get(number, number)
-        places = {number, first, first - 1}
-        if not any("# ours" in source[place - 1] for place in places if place >= 1):
+        if any("# ours" in source[place - 1] for place in (number, first, first - 1)
+               if place >= 1):
+            continue
+        place = first - 1
+        while place >= 1 and (place in comment_only or place in ours):
+            if "# ours" in source[place - 1]:
+                break
+            place -= 1
+        else:
             found.append(number)
     return found
 

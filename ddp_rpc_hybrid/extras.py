@@ -19,12 +19,24 @@ TABLE_ROWS = 100  # the rows of the table, main.py's NUM_EMBEDDINGS, which the i
 
 # --------- The batches --------------------
 
+def bag_indices(rng, target, offsets, num_indices, num_embeddings=TABLE_ROWS):
+    """The num_indices indices of the bags that start at `offsets`, drawn from rng (a
+    random.Random, or the random module itself): every index has a class (index % NUM_CLASSES),
+    and a bag's indices all come from the class of its target (a tensor). The tutorial's
+    indices and targets are random, with nothing to learn. The indices go to ps over RPC, so
+    they stay on the CPU."""
+    ends = offsets[1:] + [num_indices]
+    return torch.tensor([rng.randrange(bag_class, num_embeddings, NUM_CLASSES)
+                         for bag_class, begin, end in zip(target.tolist(), offsets, ends,
+                                                          strict=True)
+                         for _ in range(end - begin)])
+
+
 def get_next_batch(rng, num_batches, device, num_embeddings=TABLE_ROWS):
     """num_batches batches of the tutorial's random bags (20 to 50 indices in bags of 1 to 10),
-    drawn from rng, except that every index has a class (index % NUM_CLASSES) and a bag's
-    indices all come from its target's class: the tutorial's random targets leave nothing to
-    learn. Each batch: (indices, offsets, target); the indices go to ps over RPC, so they stay
-    on the CPU, and the target meets the output on `device`."""
+    drawn from rng, each bag's indices of its target's class (bag_indices): the batches of
+    main.py's get_next_batch, for remote_module.py and bench/baselines.py. Each batch:
+    (indices, offsets, target), the target on `device`, where it meets the output."""
     for _ in range(num_batches):
         num_indices = rng.randint(20, 50)
 
@@ -33,13 +45,10 @@ def get_next_batch(rng, num_batches, device, num_embeddings=TABLE_ROWS):
         while start < num_indices:
             offsets.append(start)
             start += rng.randint(1, 10)
-        ends = offsets[1:] + [num_indices]
 
-        target = [rng.randrange(NUM_CLASSES) for _ in offsets]
-        indices = [rng.randrange(bag_class, num_embeddings, NUM_CLASSES)
-                   for bag_class, begin, end in zip(target, offsets, ends, strict=True)
-                   for _ in range(end - begin)]
-        yield torch.tensor(indices), torch.tensor(offsets), torch.tensor(target, device=device)
+        target = torch.tensor([rng.randrange(NUM_CLASSES) for _ in offsets])
+        indices = bag_indices(rng, target, offsets, num_indices, num_embeddings)
+        yield indices, torch.tensor(offsets), target.to(device)
 
 
 # --------- Devices --------------------
@@ -60,6 +69,12 @@ def trainer_backend(trainer_rank, num_trainers):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return backend
+
+
+def gpu_ids(device):
+    """DDP's device_ids for a module on `device`: the device itself on a GPU (the tutorial's
+    device_ids=[device]); on the CPU, None, as DDP requires."""
+    return [device] if device.type == "cuda" else None
 
 
 def trainer_device(trainer_rank):
@@ -84,9 +99,11 @@ def process_group_timeout(args):
 
 class Progress:
     """A trainer's loss, epoch by epoch (its mean over the epoch's batches, printed after the
-    tutorial's "Training done for epoch N"), and its figures for the summary."""
+    tutorial's "Training done for epoch N"), and its figures for the summary, which include a
+    digest of the weights of `dense`, the trainer's DDP module."""
 
-    def __init__(self):
+    def __init__(self, dense):
+        self.dense = dense
         self.name = rpc.get_worker_info().name
         self.epoch_losses = []
         self.losses = []
@@ -97,16 +114,19 @@ class Progress:
         self.losses.append(loss.item())
 
     def end_epoch(self, epoch):
-        """The epoch's mean loss, printed as "trainerR: epoch N loss L"."""
+        """The epoch's mean loss, printed as "trainerR: epoch N loss L"; then the figures so far
+        for the run's summary (report: the last epoch's stand)."""
         self.epoch_losses.append(sum(self.losses) / len(self.losses))
         self.losses = []
         print(f"{self.name}: epoch {epoch} loss {self.epoch_losses[-1]:.4f}")
+        self.report()
 
-    def report(self, dense_parameters):
+    def report(self):
         """The figures for the run's summary, which rank 0 writes at the end: the losses, the
         time, the backend, and the dense weights' digest, which DDP keeps the same on every
         trainer."""
-        weights = b"".join(param.detach().cpu().numpy().tobytes() for param in dense_parameters)
+        weights = b"".join(param.detach().cpu().numpy().tobytes()
+                           for param in self.dense.parameters())
         rpc_harness.report(losses=self.epoch_losses,
                            train_seconds=round(time.perf_counter() - self.started, 3),
                            backend=dist.get_backend(),

@@ -5,10 +5,10 @@ trainers, rank N the master, rank N+1 the parameter server ps, which holds an nn
 each trainer looks its bags up there through RPC and runs an nn.Linear replicated under DDP.
 remote_module.py is the 2021 revision, with a RemoteModule.
 
-Each line that is not the tutorial's ends with "# ours:" and why. What is not the lesson (the
-command line, which the tutorial does not have, the ranks' names, each trainer's device, the
-batches, each epoch's loss and the run's summary) is in extras.py. README.md says what differs
-from the tutorial and why.
+Each line that is not the tutorial's ends with "# ours:" and why, or sits in a block under a
+comment that says so. What is not the lesson (the command line, which the tutorial does not
+have, the ranks' names, each trainer's device, the bags' indices, each epoch's loss and the
+run's summary) is in extras.py. README.md says what differs from the tutorial and why.
 
     python main.py                                          # every rank on this machine
     python main.py --world_size=4 --rank=3                  # one rank per terminal
@@ -16,7 +16,6 @@ from the tutorial and why.
 
 import os
 import random
-import sys  # ours: the command's exit status
 
 import torch
 import torch.distributed as dist
@@ -29,9 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import torch.optim as optim
 
 import rpc_harness  # ours: this project's package: `make run` installs it (or `pip install -e .`)
-from extras import Progress, get_next_batch, parse_args, process_group_timeout  # ours: extras.py
-from extras import report_table, table_weights, trainer_backend, trainer_device  # ours: (above)
-from extras import NUM_CLASSES as NUM_CLASSES  # ours: for bench/baselines.py, which reads it here
+import extras  # ours: what is not the lesson: devices, the bags' indices, the summary, the flags
 
 NUM_EMBEDDINGS = 100
 EMBEDDING_DIM = 16
@@ -44,9 +41,10 @@ class HybridModel(torch.nn.Module):
     def __init__(self, emb_rref, device):
         super(HybridModel, self).__init__()
         self.emb_rref = emb_rref
-        device = trainer_device(device)  # ours: the rank's GPU (the tutorial's device), or the CPU
-        self.fc = DDP(torch.nn.Linear(16, 8).to(device),  # ours: .to: the CPU too; device_ids
-                      device_ids=[device] if device.type == "cuda" else None)  # ours: GPU's only
+        # ours: the trainer's GPU (the tutorial's cuda:device) or, without one, the CPU: .to,
+        # not .cuda, and device_ids for a GPU only
+        device = extras.trainer_device(device)
+        self.fc = DDP(torch.nn.Linear(16, 8).to(device), device_ids=extras.gpu_ids(device))
         self.device = device
 
     def forward(self, indices, offsets):
@@ -82,12 +80,33 @@ def _run_trainer(emb_rref, rank, args):  # ours: args, the run's length and seed
     )
 
     criterion = torch.nn.CrossEntropyLoss()
-    rng = random.Random(args.seed * 1000 + rank)  # ours: batches of its own, the same every run
-    progress = Progress()  # ours: each epoch's loss, and the summary's figures (extras.py)
+    random.seed(args.seed * 1000 + rank)  # ours: this trainer's own batches, the same every run
+
+    # the tutorial's random bags: 20 to 50 indices, in bags of 1 to 10
+    def get_next_batch(rank):
+        for _ in range(args.batches_per_epoch):  # ours: --batches_per_epoch, the tutorial's 10
+            num_indices = random.randint(20, 50)
+
+            # the bags' offsets
+            offsets = []
+            start = 0
+            batch_size = 0
+            while start < num_indices:
+                offsets.append(start)
+                start += random.randint(1, 10)
+                batch_size += 1
+
+            offsets_tensor = torch.LongTensor(offsets)
+            # ours: each bag's target first (.to, not .cuda(rank): the CPU too), then its
+            # indices, all of the target's class: random ones leave nothing to learn
+            target = torch.LongTensor([random.randrange(8) for _ in offsets]).to(model.device)
+            indices = extras.bag_indices(random, target, offsets, num_indices, NUM_EMBEDDINGS)
+            yield indices, offsets_tensor, target
+
+    progress = extras.Progress(model.fc)  # ours: each epoch's loss; the summary's figures
 
     for epoch in range(args.epochs):  # ours: --epochs, the tutorial's 100 by default
-        for indices, offsets, target in get_next_batch(  # ours: the tutorial's bags, made
-                rng, args.batches_per_epoch, model.device, NUM_EMBEDDINGS):  # ours: learnable
+        for indices, offsets, target in get_next_batch(rank):
             rpc_harness.profile_step()  # ours: --profile's window; nothing without --profile
             # each iteration in a distributed autograd context of its own
             with dist_autograd.context() as context_id:
@@ -103,8 +122,7 @@ def _run_trainer(emb_rref, rank, args):  # ours: args, the run's length and seed
                 # no zero_grad: each iteration's context holds its own gradients
             progress.add(loss)  # ours: for the epoch's mean loss
         print("Training done for epoch {}".format(epoch))
-        progress.end_epoch(epoch)  # ours: "trainerR: epoch N loss L"
-    progress.report(model.fc.parameters())  # ours: the summary's figures
+        progress.end_epoch(epoch)  # ours: "trainerR: epoch N loss L", and the figures so far
 
 
 @rpc_harness.watched  # ours: this rank ends in one line if it fails or loses a peer
@@ -128,28 +146,28 @@ def run_worker(rank, world_size, args):  # ours: args
                 torch.nn.EmbeddingBag,
                 args=(NUM_EMBEDDINGS, EMBEDDING_DIM),
                 kwargs={"mode": "sum"})
-        table_before = table_weights(emb_rref)  # ours: the summary's: how far the table moves
+        table_before = extras.table_weights(emb_rref)  # ours: for the summary: how far it moves
 
         # the training loop on every trainer
         futs = []
         for trainer_rank in range(num_trainers):  # ours: every trainer (the tutorial: [0, 1])
             trainer_name = "trainer{}".format(trainer_rank)
+            # ours: the trainer's own rank, not the master's; args; no time limit on training
             fut = rpc.rpc_async(
-                    trainer_name, _run_trainer, args=(emb_rref, trainer_rank, args),  # ours: its
-                    timeout=0)  # ours: rank, not the master's; args; no time limit on training
+                    trainer_name, _run_trainer, args=(emb_rref, trainer_rank, args), timeout=0)
             futs.append(fut)
 
         # until every trainer is done
         for fut in futs:
             fut.wait()
-        report_table(table_before, emb_rref)  # ours: (above)
+        extras.report_table(table_before, emb_rref)  # ours: (above)
     elif rank < num_trainers:  # ours: the trainers (the tutorial: rank <= 1)
         # the trainers' own process group, for DDP
-        backend = trainer_backend(rank, num_trainers)  # ours: NCCL on cuda:R, or Gloo
+        # ours: NCCL on cuda:R, or Gloo (the tutorial: gloo), for the N trainers (the tutorial:
+        # 2); the store of RPC's meeting, on one port; --rpc_timeout bounds DDP's allreduce
         dist.init_process_group(
-                backend=backend, rank=rank, world_size=num_trainers,  # ours: the tutorial: gloo, 2
-                init_method=rpc_harness.init_method(args),  # ours: the RPC's meeting, one port
-                timeout=process_group_timeout(args))  # ours: --rpc_timeout bounds DDP's allreduce
+            backend=extras.trainer_backend(rank, num_trainers), rank=rank, world_size=num_trainers,
+            init_method=rpc_harness.init_method(args), timeout=extras.process_group_timeout(args))
 
         # then RPC
         trainer_name = "trainer{}".format(rank)
@@ -176,7 +194,7 @@ def run_worker(rank, world_size, args):  # ours: args
 
 
 if __name__=="__main__":
-    args = parse_args()  # ours: the world size and this project's flags (extras.py)
+    args = extras.parse_args()  # ours: the world size and this project's flags
     os.environ['MASTER_ADDR'] = args.master_addr  # ours: where the ranks meet (the tutorial:
     os.environ['MASTER_PORT'] = str(args.master_port)  # ours: localhost, ports 29500 and 29501)
     rpc_harness.supervise(args)  # ours: this command ends in one line when a rank fails
@@ -186,5 +204,5 @@ if __name__=="__main__":
         p = mp.Process(target=run_worker, args=(args.rank, world_size, args))  # ours: (above)
         p.start()  # ours: (above)
         p.join()  # ours: (above)
-        sys.exit(rpc_harness.exit_status(p))  # ours: the rank's status, with its line
+        raise SystemExit(rpc_harness.exit_status(p))  # ours: the rank's status, with its line
     mp.spawn(run_worker, args=(world_size, args), nprocs=world_size, join=True)  # ours: args

@@ -78,7 +78,7 @@ def _run_trainer(remote_emb_module, rank, args):  # ours: args, the run's length
 
     criterion = torch.nn.CrossEntropyLoss()
     rng = random.Random(args.seed * 1000 + rank)  # ours: batches of its own, the same every run
-    progress = Progress()  # ours: each epoch's loss, and the summary's figures (extras.py)
+    progress = Progress(model.fc)  # ours: each epoch's loss; the summary's figures (extras.py)
 
     for epoch in range(args.epochs):  # ours: --epochs, the tutorial's 100 by default
         for indices, offsets, target in get_next_batch(  # ours: the tutorial's bags, made
@@ -98,8 +98,7 @@ def _run_trainer(remote_emb_module, rank, args):  # ours: args, the run's length
                 # no zero_grad: each iteration's context holds its own gradients
             progress.add(loss)  # ours: for the epoch's mean loss
         print("Training done for epoch {}".format(epoch))
-        progress.end_epoch(epoch)  # ours: "trainerR: epoch N loss L"
-    progress.report(model.fc.parameters())  # ours: the summary's figures
+        progress.end_epoch(epoch)  # ours: "trainerR: epoch N loss L", and the figures so far
 
 
 @rpc_harness.watched  # ours: this rank ends in one line if it fails or loses a peer

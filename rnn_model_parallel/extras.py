@@ -1,6 +1,6 @@
 """What rnn_model_parallel's main.py adds beside the tutorial: the command line (the tutorial
-has none), the ranks' names, each epoch's loss, and the run's summary. main.py imports it, so
-that it shows its tutorial's code."""
+has none), the ranks' names, the trainer's data, each epoch's loss, and the run's summary.
+main.py imports it, so that it shows its tutorial's code."""
 
 import math
 import time
@@ -9,14 +9,26 @@ import torch.distributed.rpc as rpc
 
 import rpc_harness  # this project's package: `make run` installs it (or `pip install -e .`)
 
+import data
 from data import SYNTHETIC_NTOKEN, check_corpus
+
+
+def training_data(args):
+    """(ntoken, source) for the trainer: this run's tokens (data.training_data: the synthetic
+    task, or --corpus), said in one line, and cut into --batch_size sequences, one a column
+    (data.batchify)."""
+    ntoken, tokens, about = data.training_data(args)
+    print(about)
+    return ntoken, data.batchify(tokens, args.batch_size)
 
 
 class Progress:
     """A trainer's loss, epoch by epoch (its mean per target token, printed after the
-    tutorial's "Training epoch N"), and its figures for the summary."""
+    tutorial's "Training epoch N"), and its figures for the summary. It starts by saying where
+    the parts of `model`, the trainer's RNNModel, are."""
 
-    def __init__(self, ntoken):
+    def __init__(self, ntoken, model):
+        print(f"Embedding table on ps ({model.table_device}), LSTM local, decoder on ps")
         self.name = rpc.get_worker_info().name
         self.ntoken = ntoken
         self.losses = []
@@ -32,12 +44,14 @@ class Progress:
         self.iterations += 1
 
     def end_epoch(self, epoch):
-        """The epoch's mean loss, and its perplexity, printed."""
+        """The epoch's mean loss, and its perplexity, printed; then the figures so far for the
+        run's summary (report: the last epoch's stand)."""
         self.losses.append(self.loss_sum / self.targets)
         self.loss_sum = 0.0
         self.targets = 0
         loss = self.losses[-1]
         print(f"{self.name}: epoch {epoch} loss {loss:.4f} perplexity {math.exp(loss):.2f}")
+        self.report()
 
     def report(self):
         """The figures for the run's summary, which rank 0 writes at the end."""

@@ -72,9 +72,32 @@ def test_batches_depend_on_the_seed_only():
 
 
 def test_main_py_keeps_the_names_that_bench_reads():
-    """bench/baselines.py draws the batches and sizes the dense layer through main.py."""
-    assert hybrid.get_next_batch is extras.get_next_batch
-    assert hybrid.NUM_CLASSES == extras.NUM_CLASSES == 8
+    """bench/baselines.py sizes the table through main.py, and draws the batches through
+    extras.py (main.py's get_next_batch is inside _run_trainer, as in the tutorial)."""
+    assert (hybrid.NUM_EMBEDDINGS, hybrid.EMBEDDING_DIM) == (extras.TABLE_ROWS, 16)
+    assert extras.NUM_CLASSES == 8
+
+
+def test_bag_indices_draws_as_get_next_batch_does():
+    """main.py's get_next_batch draws from the random module, seeded, what extras.py's draws
+    from a random.Random of the same seed (remote_module.py's batches), in the same order."""
+    state = random.getstate()
+    try:
+        random.seed(3)
+        num_indices = random.randint(20, 50)
+        offsets, start = [], 0
+        while start < num_indices:
+            offsets.append(start)
+            start += random.randint(1, 10)
+        target = torch.LongTensor([random.randrange(8) for _ in offsets])
+        indices = extras.bag_indices(random, target, offsets, num_indices, hybrid.NUM_EMBEDDINGS)
+    finally:
+        random.setstate(state)
+    [(expected_indices, expected_offsets, expected_target)] = extras.get_next_batch(
+        random.Random(3), 1, torch.device("cpu"))
+    assert torch.equal(indices, expected_indices)
+    assert torch.equal(torch.LongTensor(offsets), expected_offsets)
+    assert torch.equal(target, expected_target)
 
 
 @pytest.fixture
@@ -111,7 +134,7 @@ def test_the_targets_can_be_learned_by_the_model_s_two_halves(one_thread):
 
 def bad_input_message(capsys, argv):
     with pytest.raises(SystemExit) as exited:
-        hybrid.parse_args(argv)
+        extras.parse_args(argv)
     err = capsys.readouterr().err
     assert exited.value.code == 2
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -147,7 +170,7 @@ def test_hyphenated_flags_and_torchrun_environment(monkeypatch):
     for name, value in (("RANK", "3"), ("WORLD_SIZE", "5"), ("MASTER_ADDR", "127.0.0.1"),
                         ("MASTER_PORT", "29999")):
         monkeypatch.setenv(name, value)
-    args = hybrid.parse_args(["--batches-per-epoch", "4", "--world-size", "9"])
+    args = extras.parse_args(["--batches-per-epoch", "4", "--world-size", "9"])
     assert (args.rank, args.world_size, args.master_port, args.batches_per_epoch) == (3, 5,
                                                                                       29999, 4)
     assert args.torchrun and extras.worker_name(3, args.world_size) == "master"
@@ -155,7 +178,7 @@ def test_hyphenated_flags_and_torchrun_environment(monkeypatch):
 
 def test_help_shows_every_default(capsys):
     with pytest.raises(SystemExit) as exited:
-        hybrid.parse_args(["--help"])
+        extras.parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert exited.value.code == 0
     for flag in ("--world_size", "--master_port", "--epochs", "--batches_per_epoch", "--seed",
