@@ -121,25 +121,25 @@ versions: $(VENV)/.versions-installed
 # The READMEs' pictures of a profiled run's timeline (bench/draw_timeline.py), from fresh runs:
 # each example's step 4 (of its first looping rank), and the recipe's two RPCs. PICTURE's
 # arguments: folder, flags, drawing flags, and where not main.py and timeline.png, script, picture.
-PICTURE = dir=$$(mktemp -d) && $(PY) $(1)/$(or $(4),main.py) $(2) --profile $$dir > $$dir/run.log && \
-	  $(PY) bench/draw_timeline.py $$dir/timeline.json $(1)/$(or $(5),timeline.png) $(3) && \
+PICTURE = dir=$$(mktemp -d) && $(PY) $(1)/$(or $(strip $(4)),main.py) $(2) --profile $$dir > $$dir/run.log && \
+	  $(PY) bench/draw_timeline.py $$dir/timeline.json $(1)/$(or $(strip $(5)),timeline.png) $(3) && \
 	  grep -E "wrote|Wrote" $$dir/run.log && rm -r $$dir
 pictures: $(VENV)/.dev-installed
 	@$(call PICTURE,param_server,--dataset synthetic --world_size 3 --max_batches 8,--step "ProfilerStep#3" \
-	  --title "param_server: trainer_1's step 4 (parameter_server runs the model for both trainers)")
+	  --title "param_server: trainer_1's step 4 (the server runs the model for both trainers: forward on RPC threads and backward on autograd threads)")
 	@$(call PICTURE,rl_cartpole,--max_episodes 6,--step "ProfilerStep#3" \
-	  --title "rl_cartpole: the agent's episode 4 (observer1 plays it, calling the agent each step)")
+	  --title "rl_cartpole: the agent's episode 4 (each select_action call of observer1 runs on an RPC thread)")
 	@$(call PICTURE,rnn_model_parallel,--epochs 1,--step "ProfilerStep#3" \
-	  --title "rnn_model_parallel: the trainer's step 4 (the embedding and the decoder on ps)")
+	  --title "rnn_model_parallel: the trainer's step 4 (ps runs the embedding and the decoder: forward and backward)")
 	@$(call PICTURE,ddp_rpc_hybrid,--epochs 1,--step "ProfilerStep#3" \
-	  --title "ddp_rpc_hybrid: trainer0's step 4 (the EmbeddingBag on ps and the Linear under DDP)")
+	  --title "ddp_rpc_hybrid: trainer0's step 4 (its loop runs on an RPC thread; Gloo averages the Linear's gradients)")
 	@$(call PICTURE,pipeline_parallel,--num_split 4 --batch_size 16 --num_batches 6,\
-	  --step "ProfilerStep#3" --title "pipeline_parallel: the master's step 4 (4 micro-batches)")
+	  --step "ProfilerStep#3" --title "pipeline_parallel: the master's step 4 (4 micro-batches: shard 1 on worker1 and shard 2 on worker2)")
 	@$(call PICTURE,pipeline_parallel,--schedule GPipe --num_split 4 --batch_size 16 --num_batches 6,\
-	  --step "ProfilerStep#3" --title "pipeline_parallel/pipelining.py: step 4 of both stages (GPipe with 4 micro-batches)",\
+	  --step "ProfilerStep#3" --title "pipeline_parallel/pipelining.py: step 4 of both stages (GPipe: 4 micro-batches forward and then 4 backward)",\
 	  pipelining.py,timeline-pipelining.png)
 	@$(call PICTURE,rpc_profiling,,--first "rpc_async#aten::add" --last "rpc_async#aten::mul" \
-	  --title "rpc_profiling: worker0's add and mul RPCs and what worker1 ran for them")
+	  --title "rpc_profiling: worker0's add and mul RPCs and worker1's RPC thread running them")
 
 # The READMEs' sample outputs, run again, and their links to lines of code pointed again
 # (docs/make_docs.py). LINKS=1: the links only, which runs nothing.
