@@ -114,35 +114,21 @@ def raising(spec, folder):
 
 @pytest.mark.slow
 def test_a_killed_rank_is_named_by_every_terminal(runs):
-    """SIGKILL of a rank's own process. One rank a terminal (rl_cartpole/batch.py, an agent and
-    two observers): its command says that it was killed, 137 (128 + 9, as a shell says); the
-    others lose contact, each in one line, status 1, observer2 as the agent (rank 0) told it.
-    Every rank from one command (rl_cartpole): the command names it, 137, and nothing listened
-    beyond loopback. Nothing is left running."""
-    port = find_free_port()
-    terminals = [start(runs, "rl_cartpole/batch.py", "--master_port", port, rank=rank,
-                       endless=True, merged=True) for rank in range(3)]
+    """SIGKILL of a rank's own process, every rank from one command (rl_cartpole): the command
+    names it, 137 (128 + 9, as a shell says), and nothing listened beyond loopback. Nothing is
+    left running. One rank a terminal: the test of a rank killed while profiling, below."""
     spawn_all = start(runs, "rl_cartpole", "--master_port", find_free_port(), endless=True,
                       merged=True)
-    _wait_any(terminals, RUNS["rl_cartpole/batch.py"].working)
     spawn_all.wait_for_output(RUNS["rl_cartpole"].working, timeout=90)
     assert_listening_on_loopback_only(spawn_all, 2)
     killed_at = time.monotonic()
-    os.kill(terminals[1].children()[0], signal.SIGKILL)
     os.kill(spawn_all.children()[1], signal.SIGKILL)
-    expected = {terminals[0]: (1, "agent: lost contact with observer1 (rank 1, its connection "
-                                  "closed)"),
-                terminals[1]: (137, "observer1 (rank 1) was killed by SIGKILL"),
-                terminals[2]: (1, "observer2: lost contact with observer1 (rank 1, its connection "
-                                  "closed, as agent (rank 0) saw)"),
-                spawn_all: (137, "observer1 (rank 1) was killed by SIGKILL; stopped the other "
-                                 "ranks")}
-    for run, (status, line) in expected.items():
-        run.wait(timeout=EXIT_BOUND_SECONDS + 30)
-        assert time.monotonic() - killed_at < EXIT_BOUND_SECONDS
-        assert (run.returncode, run.last_line) == (status, line), run.output
-        assert "Traceback" not in run.output and "[W" not in run.output, run.output
-        assert not run.leftovers()
+    spawn_all.wait(timeout=EXIT_BOUND_SECONDS + 30)
+    assert time.monotonic() - killed_at < EXIT_BOUND_SECONDS
+    assert (spawn_all.returncode, spawn_all.last_line) == (
+        137, "observer1 (rank 1) was killed by SIGKILL; stopped the other ranks"), spawn_all.output
+    assert "Traceback" not in spawn_all.output and "[W" not in spawn_all.output, spawn_all.output
+    assert not spawn_all.leftovers()
 
 
 @pytest.mark.slow
@@ -217,23 +203,33 @@ def test_a_stopped_rank_is_given_up_on_and_told_when_it_resumes(mode, runs):
 
 @pytest.mark.slow
 def test_a_rank_killed_while_profiling_loses_only_its_own_trace(runs, tmp_path):
-    """--profile with the agent's window open for the whole run (rl_cartpole/batch.py, one rank
-    a terminal): SIGKILL observer2's process, and the agent and observer1, which end as above,
-    first write what their profilers hold, whole (where this torch lets another thread stop the
-    profiler)."""
+    """SIGKILL of a rank's own process, one rank a terminal (rl_cartpole/batch.py, an agent and
+    two observers), with --profile and the agent's window open for the whole run: observer2's
+    command says that it was killed, 137 (128 + 9, as a shell says); the others lose contact,
+    each in one line, status 1, observer1 as the agent (rank 0) told it. Nothing is left
+    running. The agent and observer1 first write what their profilers hold, whole (where this
+    torch lets another thread stop the profiler)."""
     traces = tmp_path / "traces"
     common = ["--profile", traces, "--profile_steps", 100000, "--master_port", find_free_port()]
     windows_open = r"^Episode 3\t"  # the agent's window opens after 2 episodes
     processes = [start(runs, "rl_cartpole/batch.py", *common, rank=rank, endless=True,
                        merged=True) for rank in range(3)]
     _wait_any(processes, windows_open)
+    killed_at = time.monotonic()
     # the rank's own process, which its command started (killing the command would give the
     # rank its death signal, on which it writes its trace)
     os.kill(processes[2].children()[0], signal.SIGKILL)
-    for survivor in processes[:2]:
-        survivor.wait(timeout=EXIT_BOUND_SECONDS + 30)
-        assert survivor.returncode == 1 and not survivor.leftovers()
-        assert "lost contact with observer2 (rank 2" in survivor.last_line, survivor.output
+    expected = {processes[0]: (1, "agent: lost contact with observer2 (rank 2, its connection "
+                                  "closed)"),
+                processes[1]: (1, "observer1: lost contact with observer2 (rank 2, its connection "
+                                  "closed, as agent (rank 0) saw)"),
+                processes[2]: (137, "observer2 (rank 2) was killed by SIGKILL")}
+    for run, (status, line) in expected.items():
+        run.wait(timeout=EXIT_BOUND_SECONDS + 30)
+        assert time.monotonic() - killed_at < EXIT_BOUND_SECONDS
+        assert (run.returncode, run.last_line) == (status, line), run.output
+        assert "Traceback" not in run.output and "[W" not in run.output, run.output
+        assert not run.leftovers()
     if not profiler_options()[1]:
         assert not list(traces.glob("*.json"))
         pytest.skip("a rank that stops early writes its trace from a thread of its own; this "
