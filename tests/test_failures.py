@@ -25,7 +25,6 @@ from conftest import (
     example_command,
     find_free_port,
     needs_monarch,
-    start_example,
 )
 
 from rpc_harness.compat import profiler_options
@@ -519,17 +518,19 @@ def test_a_rank_whose_pipe_closed_is_named_by_its_peers(runs, tmp_path):
 
 
 @pytest.mark.parametrize("script", ["main.py", "actors.py"])
-def test_a_summary_file_that_cannot_be_written_is_refused_before_any_rank_starts(script,
+def test_a_summary_file_that_cannot_be_written_is_refused_before_any_rank_starts(script, runs,
                                                                                tmp_path):
+    """Bad input on the real command line: one line, status 2, nothing started, nothing left."""
     if script == "actors.py":
         needs_monarch()
     missing = tmp_path / "no such folder" / "summary.json"
-    run = start_example("rl_cartpole", "--max_episodes", 3, "--summary_json", missing,
-                        script=script).wait(timeout=60)
+    run = runs.start("rl_cartpole", "--max_episodes", 3, "--summary_json", missing,
+                     script=script).wait(timeout=60)
     assert run.returncode == 2, run.output
     assert run.stdout == ""  # nothing started
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert "--summary_json" in run.stderr and str(missing.parent) in run.stderr
+    assert not run.leftovers(grace=3)  # the resource tracker ends just after
 
 
 @pytest.mark.slow
