@@ -309,9 +309,15 @@ def finish_together(runs, timeout):
     return runs
 
 
-def run_example(example, *args, timeout=120, env=None, log_dir=None, script="main.py"):
-    """Run an example to completion; fail the test if it times out or leaves processes."""
-    run = start_example(example, *args, env=env, log_dir=log_dir, script=script).wait(timeout)
+def run_example(example, *args, timeout=120, env=None, log_dir=None, script="main.py",
+                folder=None):
+    """Run an example to completion; fail the test if it times out or leaves processes.
+    folder: a copy of the example's folder, where `python script` runs (from that folder)."""
+    if folder is None:
+        run = start_example(example, *args, env=env, log_dir=log_dir, script=script)
+    else:
+        run = Run([sys.executable, script, *args], log_dir, env=env, cwd=folder)
+    run.wait(timeout)
     alive = run.leftovers()
     records = run.records_left()
     run.kill_session()
