@@ -2,7 +2,7 @@
 the command line, the join's lines for programs and flags that differ, rank 0's wait for its
 peers, the cores, whole lines, --profile's merge, the requirements' markers; and what every
 example keeps: the tutorial's calls in main.py, no import cycles. How runs end, end to end:
-test_failures.py."""
+test_failures.py and test_failures_joining.py."""
 
 import ast
 import io
