@@ -33,7 +33,7 @@ $(VENV)/.dev-installed: requirements-newest.txt requirements-dev.txt pyproject.t
 PYTEST_TWO := -n 2 --dist loadfile
 test: $(VENV)/.dev-installed
 	$(PY) -m ruff check .
-	$(PY) -m pytest $(PYTEST_TWO) -m "not launch_modes"
+	$(PY) -m pytest $(PYTEST_TWO) -m "not launch_modes" --durations=25
 
 test-quick: $(VENV)/.dev-installed
 	$(PY) -m ruff check .

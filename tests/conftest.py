@@ -309,15 +309,51 @@ def finish_together(runs, timeout):
     return runs
 
 
-def run_example(example, *args, timeout=120, env=None, log_dir=None, script="main.py"):
-    """Run an example to completion; fail the test if it times out or leaves processes."""
-    run = start_example(example, *args, env=env, log_dir=log_dir, script=script).wait(timeout)
+def run_example(example, *args, timeout=120, env=None, log_dir=None, script="main.py",
+                folder=None):
+    """Run an example to completion; fail the test if it times out or leaves processes.
+    folder: a copy of the example's folder, where `python script` runs (from that folder)."""
+    if folder is None:
+        run = start_example(example, *args, env=env, log_dir=log_dir, script=script)
+    else:
+        run = Run([sys.executable, script, *args], log_dir, env=env, cwd=folder)
+    run.wait(timeout)
     alive = run.leftovers()
     records = run.records_left()
     run.kill_session()
     assert not alive, f"processes left running after {example}: {alive}"
     assert not records, f"records left after {example}: {records}"
     return run
+
+
+# --------- Runs that a fault ends (test_failures*.py) --------------------
+
+# How long the other ranks may take to exit after one is killed. Measured: well under a second
+# when the machine is idle (a dead process's connections close at once); the bound leaves room
+# for a loaded 2-core CI machine.
+EXIT_BOUND_SECONDS = 20
+
+
+def start_run(runs, key, *flags, rank=None, endless=False, **kwargs):
+    """A run of an example, over TCP: TensorPipe's shared memory keeps a thread of every process
+    polling, which on 2 cores starved even this process's reads of /proc for seconds."""
+    config = RUNS[key]
+    return runs.start(config.name, *(config.endless if endless else config.quick),
+                      *config.transport, "--world_size", config.world_size, *flags,
+                      *(() if rank is None else ("--rank", rank)), script=config.script, **kwargs)
+
+
+def signal_again_and_again(run, number, times, group=True):
+    """Send signal `number` `times` times, 0.3 s apart, to every process of the run's terminal
+    (group: as Ctrl-C does) or to its command alone (as `kill` does), as long as it runs: people
+    press Ctrl-C again when a program does not stop at once."""
+    for _ in range(times):
+        with contextlib.suppress(ProcessLookupError):
+            if group:
+                os.killpg(run.proc.pid, number)
+            else:
+                run.proc.send_signal(number)
+        time.sleep(0.3)
 
 
 # --------- --profile's timeline --------------------

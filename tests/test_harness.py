@@ -2,7 +2,7 @@
 the command line, the join's lines for programs and flags that differ, rank 0's wait for its
 peers, the cores, whole lines, --profile's merge, the requirements' markers; and what every
 example keeps: the tutorial's calls in main.py, no import cycles. How runs end, end to end:
-test_failures.py."""
+test_failures.py and test_failures_joining.py."""
 
 import ast
 import io
@@ -375,12 +375,3 @@ def test_no_module_imports_the_script_that_runs(example):
                 todo.extend(imports[module])
         assert entry not in reached, (example, entry, reached)
 
-
-# --------- The real command line --------------------
-
-@pytest.mark.slow
-def test_bad_input_on_the_real_command_line(runs):
-    run = runs.start("rl_cartpole", "--world_size", "1").wait(timeout=60)
-    assert run.returncode == 2 and run.stdout == ""
-    assert len(run.stderr.strip().splitlines()) == 1 and "must be at least" in run.stderr
-    assert not run.leftovers(grace=3)  # the resource tracker ends just after

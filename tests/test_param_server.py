@@ -261,21 +261,26 @@ def logged_losses(output, rank):
                                           output, re.M)]
 
 
-def spawn_all(tmp, *args, script="main.py"):
-    """A server and two trainers from one command; (its run, its summary)."""
+def spawn_all(tmp, *args, script="main.py", folder=None):
+    """A server and two trainers from one command (run from `folder`, a copy of param_server,
+    when given); (its run, its summary)."""
     summary = tmp / "summary.json"
     run = run_example("param_server", "--world_size", 3, "--dataset", "synthetic",
                       "--max_batches", 60, "--log_interval", 20, "--master_port",
                       find_free_port(), "--summary_json", summary, *args, timeout=240,
-                      log_dir=tmp, script=script)
+                      log_dir=tmp, script=script, folder=folder)
     return run, json.loads(summary.read_text()) if summary.exists() else None
 
 
 @pytest.fixture(scope="module")
 def two_trainers(tmp_path_factory):
-    """The tutorial's server and two trainers at once, profiled."""
+    """The tutorial's server and two trainers at once, profiled, from a copy of the folder
+    elsewhere (no data/ beside it), run from there with a Python that has torch and
+    rpc_harness, as a user who copied it would: it trains."""
     tmp = tmp_path_factory.mktemp("ps")
-    return spawn_all(tmp, "--profile", tmp / "trace")
+    copy = tmp / "my_param_server"
+    shutil.copytree(ROOT / "param_server", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return spawn_all(tmp, "--profile", tmp / "trace", folder=copy)
 
 
 @pytest.fixture(scope="module")
@@ -413,21 +418,6 @@ def test_actors_learned(monarch_run):
     for rank in (1, 2):
         losses = logged_losses(run.stdout, rank)
         assert len(losses) == 3 and losses[-1] < losses[0] * 0.8, losses
-
-
-@pytest.mark.slow
-def test_a_copy_of_the_folder_trains_on_synthetic_digits(tmp_path, runs):
-    """The folder copied elsewhere (no data/ beside it), run from there with a Python that has
-    torch and rpc_harness: it trains."""
-    copy = tmp_path / "my_param_server"
-    shutil.copytree(ROOT / "param_server", copy, ignore=shutil.ignore_patterns("__pycache__"))
-    summary = tmp_path / "summary.json"
-    run = runs.start_command(
-        [sys.executable, "main.py", "--dataset", "synthetic", "--world_size", 2,
-         "--max_batches", 20, "--master_port", find_free_port(), "--summary_json", summary],
-        cwd=copy).wait(timeout=120)
-    assert run.returncode == 0, run.output
-    assert json.loads(summary.read_text())["batches_per_trainer"] == {"trainer_1": 20}
 
 
 @pytest.mark.slow
