@@ -635,12 +635,14 @@ def run_environment(environment, record, runs, progress, args, state):
 
 
 def commit():
-    """The checkout's commit (with "+" where files differ from it), which the runs ran."""
+    """The checkout's commit (with "+" where files differ from it), which the runs ran. The
+    results that this script writes as it goes (the state, the table) are not counted."""
     def git(*words):
         return subprocess.run(["git", *words], cwd=ROOT, capture_output=True,
                               text=True).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain",
-                                                              "--untracked-files=no") else "")
+    written_here = [f":(exclude){path.relative_to(ROOT)}" for path in (STATE, LENT, REPORT)]
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", *written_here)
+    return git("rev-parse", "--short", "HEAD") + ("+" if changed else "")
 
 
 def machine():
