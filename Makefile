@@ -121,9 +121,10 @@ versions: $(VENV)/.versions-installed
 # The READMEs' pictures of a profiled run's timeline (bench/draw_timeline.py), from fresh runs:
 # each example's step 4 (of its first looping rank), and the recipe's two RPCs. PICTURE's
 # arguments: folder, flags, drawing flags, and where not main.py and timeline.png, script, picture.
-PICTURE = dir=$$(mktemp -d) && $(PY) $(1)/$(or $(strip $(4)),main.py) $(2) --profile $$dir > $$dir/run.log && \
+PICTURE = dir=$$(mktemp -d) && trap 'rm -r "$$dir"' EXIT && \
+	  $(PY) $(1)/$(or $(strip $(4)),main.py) $(2) --profile $$dir > $$dir/run.log && \
 	  $(PY) bench/draw_timeline.py $$dir/timeline.json $(1)/$(or $(strip $(5)),timeline.png) $(3) && \
-	  grep -E "wrote|Wrote" $$dir/run.log && rm -r $$dir
+	  grep -E "wrote|Wrote" $$dir/run.log
 pictures: $(VENV)/.dev-installed
 	@$(call PICTURE,param_server,--dataset synthetic --world_size 3 --max_batches 8,--step "ProfilerStep#3" \
 	  --title "param_server: trainer_1's step 4 (the server runs the model for both trainers: forward on RPC threads and backward on autograd threads)")

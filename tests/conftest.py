@@ -98,6 +98,16 @@ def _processes(match):
     return [pid for _, pid in sorted(found)]
 
 
+# The temporary folders that runs made for themselves (a test's own tmp_path aside): removed
+# when the session ends, so that the suite leaves nothing in the temporary folder.
+_FOLDERS_MADE = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for folder in _FOLDERS_MADE:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 class Run:
     """One example process started in a session of its own, so that everything it starts can
     be found, checked and cleaned up afterwards. Output goes to files (no pipe to fill up);
@@ -105,7 +115,10 @@ class Run:
     them (stderr is then empty)."""
 
     def __init__(self, cmd, log_dir=None, env=None, cwd=None, merged=False):
-        log_dir = Path(log_dir or tempfile.mkdtemp(prefix="rpc-example-"))
+        if log_dir is None:
+            log_dir = tempfile.mkdtemp(prefix="rpc-example-")
+            _FOLDERS_MADE.append(log_dir)
+        log_dir = Path(log_dir)
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                      "TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
@@ -117,6 +130,7 @@ class Run:
         # Its own temporary folder, where the command makes the folder of its ranks' records:
         # a short path, as Monarch's processes put Unix sockets there (at most 108 bytes).
         self.tmpdir = Path(tempfile.mkdtemp(prefix="run-"))
+        _FOLDERS_MADE.append(self.tmpdir)
         full_env["TMPDIR"] = str(self.tmpdir)
         self.out_path, self.err_path = stem.with_suffix(".out"), stem.with_suffix(".err")
         self.cmd = [str(part) for part in cmd]
