@@ -18,7 +18,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from ports import free_port
 from rpc_roundtrip import SIZES
 
 BENCH = Path(__file__).resolve().parent
@@ -43,12 +43,6 @@ SCALING_CHART = BENCH / f"scaling-{CORES}-cores.png"
 # Every run here on the CPU, GPUs hidden: the examples and baselines would pick CUDA on their
 # own, and the comparisons are of CPUs.
 CPU_ONLY = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # --------- Running an example and reading its threads' CPU time --------------------

@@ -38,7 +38,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from ports import free_port
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -130,22 +130,6 @@ FROM_THE_START = PER_RANK_ONLY | {"bad-path"}
 # Faults whose cells spend most of their time waiting for a bound to pass.
 WAITING_FAULTS = {"never-comes", "other-flags", "stop"}
 QUICK = ["param_server/main.py", "param_server/actors.py"]
-
-
-_PORTS_GIVEN = set()
-_PORTS_LOCK = threading.Lock()
-
-
-def free_port():
-    """A port that nothing listens on, and that no other cell of this run was given."""
-    with _PORTS_LOCK:
-        while True:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            if port not in _PORTS_GIVEN:
-                _PORTS_GIVEN.add(port)
-                return port
 
 
 # --------- Processes --------------------

@@ -45,7 +45,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ports import free_port
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -257,12 +258,6 @@ _running = set()  # the process groups of the runs under way, killed on Ctrl-C
 _running_lock = threading.Lock()
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 _stopping = threading.Event()  # set on Ctrl-C: no run starts after it
 
 
@@ -326,7 +321,7 @@ def run_program(program, mode, python, env_vars, folder, torch_version=""):
     if program.key == "rpc_profiling/main.py":
         flags += ["--profile", str(folder / "traces")]
     script = str(program.script)
-    port = str(_free_port())
+    port = str(free_port())
     if mode == "spawn-all":
         commands = [[python, script, "--world_size", world, *flags, "--master_port", port]]
     elif mode == "per-rank":

@@ -6,6 +6,7 @@ import contextlib
 import gzip
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -56,11 +57,41 @@ def load_actors(example):
 
 # --------- Ports --------------------
 
+def _ports_of_this_worker():
+    """The ports this pytest process hands out: below the kernel's ephemeral range, so that no
+    connection or listener that asks for any port (a rank's own, in any test) takes one between
+    the test choosing it and rank 0 listening on it (seen in CI: "Address already in use");
+    split between pytest-xdist's workers, so that two tests never choose the same one."""
+    try:
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768  # Linux's default
+    low = max(1024, first_ephemeral - 12000)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    share = (first_ephemeral - low) // workers
+    return range(low + worker * share, low + (worker + 1) * share)
+
+
+_PORTS = _ports_of_this_worker()
+_DEFAULT_PORTS = range(29500, 29510)  # torch's and the examples' defaults, which a run may take
+_ports_given = set()
+_shuffled = random.Random()  # its own: a test that seeds the random module changes nothing here
+
+
 def find_free_port():
-    """A port that nothing on this machine listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port that nothing on this machine uses now, not given to another test of this run."""
+    for port in _shuffled.sample(_PORTS, len(_PORTS)):
+        if port in _ports_given or port in _DEFAULT_PORTS:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ports_given.add(port)
+        return port
+    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 @pytest.fixture

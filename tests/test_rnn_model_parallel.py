@@ -223,6 +223,7 @@ def finished(tmp_path_factory):
         for runs in started.values():
             for run in runs:
                 run.wait(timeout=150)
+                assert run.returncode == 0, f"{run.cmd}: status {run.returncode}\n{run.output}"
                 assert not run.leftovers(), f"processes left running after {run.cmd}"
     finally:
         for runs in started.values():
