@@ -5,11 +5,16 @@
 UPSTREAM is a git checkout of pytorch/examples (its distributed/rpc scripts are the tutorials'
 code; this repository holds no copy of them). For each entry point and the upstream script's
 revision nearest its tutorial's text: the code lines of both (comments, docstrings and blank
-lines left out; spaces and quotes made alike), and the longest run of lines that both hold in
-the same order. Two figures: the share of our code lines that are the tutorial's, and the share
-of the tutorial's code lines that are in ours, in order. Then our lines that are not the
-tutorial's and carry no "# ours:" mark (on the line, on its statement's first line, or in a
-comment above the block of our lines that holds it), which should be none."""
+lines left out; spaces and quotes made alike, so that `__name__=="__main__"` is
+`__name__ == "__main__"`), and the longest run of lines that both hold in the same order. Two
+figures: the share of our code lines that are the tutorial's, and the share of the tutorial's
+code lines that are in ours, in order. Then our lines that are not the tutorial's and carry no
+"# ours:" mark, which should be none. A line is marked by a mark on the line, on its statement's
+first line, or in a comment above the block of our lines that holds it (read up from the line
+and from its statement's first line); and every line under a section header comment whose text
+says "ours:" (`# --------- ours: what the harness needs ---`) is marked, down to the next
+section header. A line that is one of the tutorial's that the run in order left out (the
+tutorial's line, moved) counts as not in order, but needs no mark: its text is the tutorial's."""
 
 import argparse
 import ast
@@ -18,6 +23,7 @@ import re
 import subprocess
 import sys
 import tokenize
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +41,10 @@ PAIRS = [
     ("ddp_rpc_hybrid/remote_module.py", "distributed/rpc/ddp_rpc/main.py", "5c47bb1"),
     ("pipeline_parallel/main.py", "distributed/rpc/pipeline/main.py", "af11138"),
 ]
+
+
+# a comment that opens a section: "# ---------" then its title
+SECTION_HEADER = re.compile(r"\s*# -{3,}")
 
 
 def docstring_lines(text):
@@ -64,6 +74,7 @@ def code_lines(text):
         if number in comments:
             line = line[:comments[number]]
         line = re.sub(r"\s+", " ", line.replace("'", '"')).strip()
+        line = re.sub(r" ?([^\w ]) ?", r"\1", line)  # no spaces around operators and brackets
         if line:
             lines.append((line, number))
     return lines
@@ -97,7 +108,9 @@ def unmarked(text, numbers):
     "# ours:" mark: on the line, on the first line of its statement or on the line above, or
     above it in the block of our lines that holds it (reading up from the statement's first
     line over our lines, comments and docstrings, to a blank line or a line of the
-    tutorial's): a block of ours with one comment above it."""
+    tutorial's): a block of ours with one comment above it. The same read up from the line
+    itself finds a comment inside a statement, just above the line. A section header comment
+    (`# --------- ours: ...`) marks every line under it, down to the next section header."""
     source = text.splitlines()
     starts = {}
     for node in ast.walk(ast.parse(text)):
@@ -116,19 +129,31 @@ def unmarked(text, numbers):
                 code.add(number)
                 comment_only.discard(number)
     ours = set(numbers) | docstring_lines(text)
+    in_section_of_ours = set()
+    section_of_ours = False
+    for number, line in enumerate(source, start=1):
+        if number in comment_only and SECTION_HEADER.match(line):
+            section_of_ours = "ours:" in line
+        elif section_of_ours:
+            in_section_of_ours.add(number)
+
+    def marked_above(place):
+        """Whether reading up from `place` over our lines and comments finds a mark."""
+        while place >= 1 and (place in comment_only or place in ours):
+            if "# ours" in source[place - 1]:
+                return True
+            place -= 1
+        return False
+
     found = []
     for number in numbers:
         first = starts.get(number, number)
         if any("# ours" in source[place - 1] for place in (number, first, first - 1)
                if place >= 1):
             continue
-        place = first - 1
-        while place >= 1 and (place in comment_only or place in ours):
-            if "# ours" in source[place - 1]:
-                break
-            place -= 1
-        else:
-            found.append(number)
+        if number in in_section_of_ours or marked_above(first - 1) or marked_above(number - 1):
+            continue
+        found.append(number)
     return found
 
 
@@ -152,7 +177,17 @@ def main():
         print(f"| {ours_path} | {theirs_path.removeprefix('distributed/rpc/')} ({revision}) | "
               f"{len(ours)} | {len(theirs)} | {both / len(ours):.0%} | "
               f"{both / len(theirs):.0%} |")
-        changed = [number for index, (_, number) in enumerate(ours) if index not in matched]
+        # the tutorial's lines that the run in order left out, by text, to recognise ours moved
+        left_out = Counter(line for line, _ in theirs)
+        left_out.subtract(line for index, (line, _) in enumerate(ours) if index in matched)
+        changed = []
+        for index, (line, number) in enumerate(ours):
+            if index in matched:
+                continue
+            if left_out[line] > 0:  # the tutorial's line, moved: no mark needed
+                left_out[line] -= 1
+                continue
+            changed.append(number)
         missing_marks[ours_path] = unmarked(ours_text, changed)
     for path, numbers in missing_marks.items():
         if numbers:
