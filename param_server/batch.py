@@ -242,7 +242,7 @@ def run(rank, world_size, args):  # ours: args, the flags
     rpc.shutdown()
 
 
-# --------- ours: what the harness needs, and the run's summary --------------------
+# --------- ours: what the harness needs, the run's summary, and the launch ---------
 
 def worker_name(rank, world_size):
     """Each rank's name in RPC, which the harness's messages use too."""

@@ -48,13 +48,15 @@ def choose_device(gpu_count):
 class BatchObserver(Observer):
 
     def run_episode(self, agent_rref, n_steps):
+        # ours: main.py's episode: Gymnasium's reset, seeded the first time, and the rewards in
+        # a list (the page: a tensor of n_steps rewards, discounted here, and a reset mid-run)
         state, _ = self.env.reset(seed=self.seed)
         rewards = []
         self.seed = None
         for _ in range(n_steps):
-            # One RPC a step. The batch tutorial sends agent_rref along with every call; an RRef
-            # sent to its owner costs both sides extra work (about a quarter of a step's CPU
-            # time here), and the agent's worker is enough to find it.
+            # ours: one RPC a step. The batch tutorial sends agent_rref along with every call;
+            # an RRef sent to its owner costs both sides extra work (about a quarter of a step's
+            # CPU time here), and the agent's worker is enough to find it.
             action = rpc_sync(agent_rref.owner(), BatchAgent.select_action_batch,
                               args=(self.id, state))
             state, reward, terminated, truncated, _ = self.env.step(action)
@@ -97,8 +99,10 @@ class BatchAgent(Agent):
         # playing (the others will send no more states); and, as in the batch tutorial, one
         # entry per forward pass: its observer ids and their log-probabilities.
         self.lock = threading.Lock()
-        self.states = {}
+        self.states = {}  # ours: by observer id (the page: a tensor with a row for each)
         self.future_actions = torch.futures.Future()
+        # ours: the observers still playing, not the page's pending_states; and no `batch` flag
+        # (the page: `[] if batch else {...}`), as this agent always batches
         self.playing = 0
         self.saved_log_probs = []
 
@@ -107,6 +111,9 @@ class BatchAgent(Agent):
     def select_action_batch(ob_id, state):  # ours: no agent_rref (above)
         self = local_agent  # ours: (above)
         with self.lock:
+            # ours: the state kept by id, under the lock; the action by id, as given; the forward
+            # pass in _act_if_all_states_are_in, which _observer_finished calls too (the page:
+            # copy_ into its row, .item(), and the pass here)
             self.states[ob_id] = state
             future_action = self.future_actions.then(lambda future: future.wait()[ob_id])
             self._act_if_all_states_are_in()
@@ -124,6 +131,8 @@ class BatchAgent(Agent):
         probs = self.policy(states.to(self.device))
         m = Categorical(probs)
         actions = m.sample()
+        # ours: each pass's observer ids with its log-probabilities, and the actions by id (the
+        # page: one row of every observer's, and pending_states set again)
         self.saved_log_probs.append((ob_ids, m.log_prob(actions)))
         future_actions, self.future_actions = self.future_actions, torch.futures.Future()
         self.states = {}
@@ -141,9 +150,12 @@ class BatchAgent(Agent):
     # ours: main.py's run_episode, with each observer's end handled as it comes (the page's
     # ob_rref.rpc_async().run_episode(...), then its update, in one function)
     def run_episode(self, n_steps=0):
-        self.playing = len(self.ob_rrefs)
+        self.playing = len(self.ob_rrefs)  # ours: every observer plays (_observer_finished)
         futs = []
         for ob_rref in self.ob_rrefs:
+            # ours: main.py's call, with a callback that takes each observer's rewards as its
+            # episode ends (the page: ob_rref.rpc_async().run_episode, and the results of
+            # wait_all)
             fut = rpc_async(ob_rref.owner(), _call_method,
                             args=(BatchObserver.run_episode, ob_rref, self.agent_rref, n_steps))
             futs.append(fut.then(functools.partial(self._observer_finished, ob_rref.owner().id)))
@@ -161,12 +173,12 @@ class BatchAgent(Agent):
         policy_loss = (-log_probs_by_observer(self.saved_log_probs) * returns).sum()
         self.saved_log_probs = []
         self.optimizer.zero_grad()
-        policy_loss.backward()
+        policy_loss.backward()  # ours: main.py's (the page: policy_loss.sum().backward())
         self.optimizer.step()
-        return min_reward
+        return min_reward  # ours: main.py's (the page: the mean reward and the running reward)
 
 
-# --------- The __main__, with main.py's command line (parse_args) --------------------
+# --------- ours: the __main__, with main.py's command line (parse_args) ------------
 
 # ours: main.py's command line and launcher (the page's main() spawns worlds of 2 to 11 ranks,
 # each with both agents, and times them: bench/ compares the two agents)
