@@ -77,6 +77,8 @@ class BatchUpdateParameterServer:  # ours: no (object), which Python 3 implies
     def update_and_fetch_model(ps_rref, grads):
         # the parameter server of this process, from its RRef
         self = ps_rref.local_value()
+        # ours: the lock taken first: the page adds the gradients up before it, where two
+        # trainers' += can interleave, or land between the step and zero_grad, and be lost
         with self.lock:
             # ours: the script's log line, once every --log_interval model versions
             if self.versions % self.log_interval == 0:  # ours: (above)
