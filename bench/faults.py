@@ -17,7 +17,7 @@ the Monarch programs' own, `monarch`) and a fault:
     never-comes    one rank never started (per-rank)
     other-flags    one rank started with a flag that differs (per-rank)
     raise          the rank's own code raises (bench/fault_injection/sitecustomize.py)
-    pipe-closed    the output of a terminal (the victim's, per-rank) piped into a program that
+    pipe-closed    the output of a terminal (per-rank: a rank that prints) piped into a program that
                    stops reading, as `| head` does: its standard output is a pipe, closed once
                    the run is under way
     bad-path       --summary_json in a folder that does not exist, for every rank
@@ -75,8 +75,15 @@ class Program:
     endless: list  # flags for a run that lasts until a fault ends it
     working: str  # a line that shows the run under way (a regular expression)
     victim: int = 1  # the rank that a fault acts on
+    printer: int = None  # pipe-closed's rank: one that prints as it runs (default: the victim)
     raises: tuple = ("profile_step", 1, 4)  # where the injected error goes: function, rank, call
     monarch: bool = False
+
+    @property
+    def piped(self):
+        """The rank whose terminal pipe-closed pipes into a program that stops reading (a rank
+        that prints nothing more would never meet the closed pipe)."""
+        return self.victim if self.printer is None else self.printer
 
     @property
     def modes(self):
@@ -93,9 +100,9 @@ PROGRAMS = [
                                           "--log_interval", 2],
             r"^Rank \d training batch 2 ", raises=("Recorder.step", 6), monarch=True),
     Program("rl_cartpole/main.py", 2, ["--max_episodes", 100000, "--log_interval", 1],
-            r"^Episode 2\t", raises=("profile_step", 0, 4)),
+            r"^Episode 2\t", raises=("profile_step", 0, 4), printer=0),
     Program("rl_cartpole/batch.py", 3, ["--max_episodes", 100000, "--log_interval", 1],
-            r"^Episode 2\t", raises=("profile_step", 0, 4)),
+            r"^Episode 2\t", raises=("profile_step", 0, 4), printer=0),
     Program("rl_cartpole/actors.py", 3, ["--max_episodes", 100000, "--log_interval", 1],
             r"^Episode 2\t", raises=("gymnasium.wrappers.common:TimeLimit.step", 40), monarch=True),
     Program("rnn_model_parallel/main.py", 2, ["--epochs", 100000],
@@ -106,7 +113,7 @@ PROGRAMS = [
             r"^Training done for epoch 0$", victim=0, raises=("profile_step", 0, 15)),
     Program("pipeline_parallel/main.py", 3, ["--num_split", 2, "--num_batches", 100000,
                                              "--batch_size", 4],
-            r"^Processing batch 1$", raises=("profile_step", 0, 3)),
+            r"^Processing batch 1$", raises=("profile_step", 0, 3), printer=0),
     Program("pipeline_parallel/pipelining.py", 2, ["--num_split", 2, "--num_batches", 100000,
                                                    "--batch_size", 4, "--schedule", "GPipe"],
             r"^GPipe, n_microbatches 2, batch 1:", raises=("profile_step", 1, 3)),
@@ -319,7 +326,7 @@ def start_terminals(program, mode, fault, port, env, folder):
         flags = ["--seed", 7] if fault == "other-flags" and rank == program.victim else []
         cmd = [PY, script, "--world_size", program.world_size, "--rank", rank, *common, *flags]
         terminals[rank] = Terminal(f"rank {rank}", cmd, env, folder,
-                                   piped and rank == program.victim)
+                                   piped and rank == program.piped)
         time.sleep(0.2)  # one terminal after another, in this order
     return [terminals[rank] for rank in sorted(terminals)], order
 
@@ -340,10 +347,11 @@ def rank_process(program, mode, terminals, rank):
     return sorted(actors, key=lambda pid: _stat(pid)[3])[0]
 
 
-def command_of(program, mode, terminals):
-    """The command that the fault's terminal started (per-rank: the victim's)."""
+def command_of(program, mode, terminals, rank=None):
+    """The command that the fault's terminal started (per-rank: the victim's, or `rank`'s)."""
     if mode == "per-rank":
-        return next(t for t in terminals if t.name == f"rank {program.victim}")
+        rank = program.victim if rank is None else rank
+        return next(t for t in terminals if t.name == f"rank {rank}")
     return terminals[0]
 
 
@@ -503,7 +511,7 @@ def act(program, mode, fault, terminals):
                     os.kill(command, signal.SIGTERM)
             time.sleep(gap)
     elif fault == "pipe-closed":
-        command_of(program, mode, terminals).close_pipe()
+        command_of(program, mode, terminals, program.piped).close_pipe()
     elif fault == "stop":
         pid = rank_process(program, mode, terminals, program.victim)
         os.kill(pid, signal.SIGSTOP)
@@ -548,7 +556,7 @@ def check(cell):
         killed = cell.fault == "kill-command" and status == -signal.SIGKILL and (
             cell.mode != "per-rank" or name == f"rank {BY_PATH[cell.program].victim}")
         piped = cell.fault == "pipe-closed" and (
-            cell.mode != "per-rank" or name == f"rank {BY_PATH[cell.program].victim}")
+            cell.mode != "per-rank" or name == f"rank {BY_PATH[cell.program].piped}")
         if status == 0:
             return f"{name}: status 0"
         if piped and cell.mode != "torchrun":

@@ -15,6 +15,7 @@ command reads the records (read_records) and says the earliest in its terminal."
 
 import contextlib
 import json
+import logging
 import os
 import select
 import signal
@@ -81,6 +82,56 @@ def output_closed():
     for descriptor in (1, 2) if state.terminal is None else (state.terminal,):
         poller.register(descriptor, 0)  # POLLERR is reported whatever is asked for
     return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+class QuietWhenClosed:
+    """A rank's sys.stdout or sys.stderr (Python lets a program replace them with any object
+    that writes text): a write that meets a pipe that nobody reads any more (BrokenPipeError)
+    goes nowhere and calls `on_closed`, in whatever thread it runs. Without it, the error
+    surfaces where the print ran; inside a call that another rank made by RPC, torch prints
+    its traceback on this rank's standard error and the caller fails with it. Everything else
+    is the stream's own."""
+
+    def __init__(self, stream, on_closed):
+        self.stream = stream
+        self.on_closed = on_closed
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self.on_closed()
+            return len(text)
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self.on_closed()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def quiet_when_closed(on_closed):
+    """From now on, this process's prints and the logging handlers that write to its standard
+    output or error (logging.basicConfig's, say) go through QuietWhenClosed."""
+    guarded = {}
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        guarded[id(stream)] = QuietWhenClosed(stream, on_closed)
+        setattr(sys, name, guarded[id(stream)])
+    loggers = [logging.getLogger()] + [logger for logger in logging.Logger.manager.loggerDict
+                                       .values() if isinstance(logger, logging.Logger)]
+    for logger in loggers:
+        for handler in logger.handlers:
+            stream = getattr(handler, "stream", None)
+            if type(handler) is logging.StreamHandler and id(stream) in guarded:
+                handler.setStream(guarded[id(stream)])
 
 
 def say(terminal, text):

@@ -84,6 +84,7 @@ class Rank:
     store: object = None  # main: the store where the ranks met, from the join
     recorder: object = None  # main: --profile's profiling.Recorder, from the join
     figures: dict = field(default_factory=dict)  # main: report()'s, for the summary
+    finishing: bool = False  # main: the function returned, and finish() ends the rank
     requests: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     byes_done: threading.Event = field(default_factory=threading.Event)
     selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
@@ -103,8 +104,8 @@ class Rank:
     def start(self):
         """Set the rank up, on its main thread (docs/harness.md lists what it changes): the loop,
         with signals down the wake pipe; SIGHUP when the command that started it dies (in place
-        of mp.spawn's SIGINT); torch's seed, --seed; its share of the cores; whole lines; two
-        warnings left out."""
+        of mp.spawn's SIGINT); torch's seed, --seed; its share of the cores; whole lines, and
+        a pipe closed under its output ends it quietly; two warnings left out."""
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_write, False)
         self.selector.register(self.wake_read, selectors.EVENT_READ, self._on_wake)
@@ -122,6 +123,7 @@ class Rank:
         if not os.environ.get("OMP_NUM_THREADS"):
             torch.set_num_threads(self.args.harness.threads[self.rank])
         ending.whole_lines()
+        ending.quiet_when_closed(lambda: self._ask("output_closed", None))
         leave_out_known_warnings()
 
     def watch(self, peers):
@@ -140,6 +142,7 @@ class Rank:
         of a 2-rank run on 2 cores)."""
         if _rpc_running() or dist.is_initialized():
             self.fail(None)
+        self.finishing = True
         if self.recorder:
             self.recorder.stop()
         self.figures["peak_memory_mb"] = peak_memory_mb()
@@ -150,10 +153,8 @@ class Rank:
                 self._write_summary()
             except NotWritten as error:
                 self.end(f"{self.name}: {error}", 1)
-            except OSError:
-                if not ending.output_closed():
-                    raise
-                self.end("", ending.PIPE_CLOSED)  # its last lines had nobody to read them
+            if ending.output_closed():  # its last lines had nobody to read them: quietly
+                self.end("", ending.PIPE_CLOSED)
         ending.end(None, 0)
 
     def _write_summary(self):
@@ -204,11 +205,17 @@ class Rank:
                      f"peers\n{traceback.format_exc().rstrip()}", 1)
 
     def _turn(self, next_beat):
-        """Beat if it is time, wait for what comes (HEARTBEAT_SECONDS at most), act on it.
-        Returns when to beat next."""
+        """Beat if it is time (and end the rank if its output is a pipe that nobody reads any
+        more), wait for what comes (HEARTBEAT_SECONDS at most), act on it. Returns when to beat
+        next."""
         if time.monotonic() >= next_beat:
             self._send_to_all(b".\n")
             next_beat = time.monotonic() + HEARTBEAT_SECONDS
+            # A print that meets the closed pipe may run in a call another rank made by RPC,
+            # which carries the error back there, or this rank may print nothing more: either
+            # way, this rank's own output tells it, and it ends as its reader asked.
+            if ending.output_closed():
+                self._on_output_closed(None)
         timeout = max(0.0, next_beat - time.monotonic())
         before = time.monotonic()
         events = self.selector.select(timeout)
@@ -265,7 +272,10 @@ class Rank:
 
     def _on_output_closed(self, _):
         """The rank's output is a pipe that nobody reads: a record with nothing to say, which
-        the command follows quietly; the peers learn why this rank stopped."""
+        the command follows quietly; the peers learn why this rank stopped. Once the rank's
+        function is done, finish() ends it instead, with the run's summary written first."""
+        if self.finishing:
+            return
         self.end("", ending.PIPE_CLOSED,
                  tell=f"failed {self.rank} its output was closed, a pipe that nobody reads")
 

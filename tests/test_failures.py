@@ -311,23 +311,28 @@ def test_a_closed_pipe_ends_the_run_quietly(tmp_path):
 
 @pytest.mark.slow
 def test_a_rank_whose_pipe_closed_is_named_by_its_peers(runs, tmp_path):
-    """A rank a terminal: rank 0's output piped into a program that stops reading. Rank 0 ends
-    quietly (141, no traceback nor error, nothing left running); the other terminal says why in
-    one line."""
-    config = RUNS["rl_cartpole"]
+    """A rank a terminal: trainer1's output piped into a program that stops reading. trainer1
+    prints inside a call that the parameter server made by RPC (batch.py's trainers train
+    there), where the error would go back to the caller. trainer1 ends quietly (141, no
+    traceback nor error, nothing left running); each other terminal says why in one line."""
+    config = RUNS["param_server/batch.py"]
     port = find_free_port()
-    observer = start_run(runs, "rl_cartpole", "--master_port", port, rank=1, endless=True,
-                         merged=True)
-    agent_cmd = example_command(config.name, *config.endless, *TCP, "--world_size",
-                                config.world_size, "--rank", 0, "--master_port", port)
-    process, left, stderr = _read_lines_then_close(agent_cmd, 3, tmp_path)
+    others = [start_run(runs, "param_server/batch.py", "--master_port", port, rank=rank,
+                        endless=True, merged=True) for rank in (0, 2)]
+    trainer_cmd = example_command(config.name, *config.endless, *TCP, "--world_size",
+                                  config.world_size, "--rank", 1, "--master_port", port,
+                                  script=config.script)
+    process, left, stderr = _read_lines_then_close(trainer_cmd, 5, tmp_path)
     assert process.returncode == 128 + signal.SIGPIPE, stderr
     assert "Traceback" not in stderr and "Error" not in stderr, stderr
     assert not left
-    observer.wait(timeout=EXIT_BOUND_SECONDS + 30)
-    assert observer.returncode == 1, observer.output
-    assert "agent (rank 0)" in observer.last_line and "output was closed" in observer.last_line
-    assert not observer.leftovers()
+    for other in others:
+        other.wait(timeout=EXIT_BOUND_SECONDS + 30)
+        assert other.returncode == 1, other.output
+        assert "Traceback" not in other.output, other.output
+        assert "trainer1 (rank 1)" in other.last_line, other.output
+        assert "output was closed" in other.last_line, other.output
+        assert not other.leftovers()
 
 
 @pytest.mark.slow
