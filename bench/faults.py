@@ -56,9 +56,11 @@ PY = sys.executable
 CORES = len(os.sched_getaffinity(0))
 RESULTS = BENCH / f"FAULTS-{CORES}-cores.md"
 INJECTION = BENCH / "fault_injection"
-# The bounds the cells run with: short, so that the waits they bound end soon.
+# The bounds the cells run with: short, so that the waits they bound end soon (the programs'
+# own: 60 s each). With 4 s, two of 340 cells lost a rank that was only slow: on 2 cores, with
+# another cell beside it, a rank's loop went 4 s without a turn as the ranks started.
 INIT_TIMEOUT = 8
-RPC_TIMEOUT = 4
+RPC_TIMEOUT = 6
 # How long a cell may take to get under way, and then to end after its fault.
 START_SECONDS = 150
 END_SECONDS = 90
