@@ -101,7 +101,7 @@ bench: $(VENV)/.bench-installed
 	$(PY) bench/bench.py $(if $(QUICK),--quick) $(if $(SOLVE),--solve)
 
 # bench/FAULTS-<cores>-cores.md: every entry point in every launch mode under every fault a
-# user can cause, and what each terminal showed (bench/faults.py; about 30 minutes on 2 cores).
+# user can cause, and what each terminal showed (bench/faults.py; about 45 minutes on 2 cores).
 # QUICK=1: param_server's main.py and actors.py alone, every mode and fault (4 minutes).
 faults: $(VENV)/.dev-installed
 	$(PY) bench/faults.py $(if $(QUICK),--quick)

@@ -27,7 +27,7 @@ in the order a terminal shows them. For each cell: each terminal's last line and
 the seconds from the fault until the last process of the cell is gone, and the processes left
 10 s after the terminals ended (then killed).
 
-    python bench/faults.py              # the whole matrix (about 30 minutes on 2 cores)
+    python bench/faults.py              # the whole matrix (about 45 minutes on 2 cores)
     python bench/faults.py --quick      # param_server/main.py and actors.py, every mode and fault
     python bench/faults.py --program rl_cartpole/main.py --mode per-rank --fault stop
 """
