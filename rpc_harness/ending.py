@@ -77,7 +77,8 @@ def quiet():
 def output_closed():
     """Whether this process's standard output or error is a pipe that nobody reads any more: the
     program it fed has stopped reading (`| head` has its lines, `less` has quit). Linux reports
-    an error (POLLERR) on the writing end of such a pipe, and nothing on a terminal or a file."""
+    an error (POLLERR) on the writing end of such a pipe, and nothing on a file or an open
+    terminal (a terminal that closed sends SIGHUP first, which ends a rank)."""
     poller = select.poll()
     for descriptor in (1, 2) if state.terminal is None else (state.terminal,):
         poller.register(descriptor, 0)  # POLLERR is reported whatever is asked for
@@ -114,6 +115,8 @@ class QuietWhenClosed:
             self.on_closed()
 
     def __getattr__(self, name):
+        if name == "stream":  # a copy made without __init__ has none: no endless recursion
+            raise AttributeError(name)
         return getattr(self.stream, name)
 
 
@@ -125,12 +128,12 @@ def quiet_when_closed(on_closed):
         stream = getattr(sys, name)
         guarded[id(stream)] = QuietWhenClosed(stream, on_closed)
         setattr(sys, name, guarded[id(stream)])
-    loggers = [logging.getLogger()] + [logger for logger in logging.Logger.manager.loggerDict
-                                       .values() if isinstance(logger, logging.Logger)]
+    known = list(logging.Logger.manager.loggerDict.values())
+    loggers = [logging.getLogger()] + [item for item in known if isinstance(item, logging.Logger)]
     for logger in loggers:
-        for handler in logger.handlers:
+        for handler in list(logger.handlers):
             stream = getattr(handler, "stream", None)
-            if type(handler) is logging.StreamHandler and id(stream) in guarded:
+            if isinstance(handler, logging.StreamHandler) and id(stream) in guarded:
                 handler.setStream(guarded[id(stream)])
 
 

@@ -224,7 +224,7 @@ def test_each_printed_line_is_one_write(monkeypatch):
     assert raw.writes == [b"Training done for epoch 0\n", b"next\n"]
 
 
-def test_a_write_to_a_closed_pipe_goes_nowhere_and_the_rank_is_told(monkeypatch, capsys):
+def test_a_write_to_a_closed_pipe_goes_nowhere_and_the_rank_is_told(monkeypatch):
     """A rank's output is a pipe whose reader has gone (`| head`). A print in another thread (as
     in a call that a peer made by RPC) and a logging.basicConfig handler's line raise nothing and
     print no "--- Logging error ---": each tells the rank, which ends as the reader asked."""
@@ -234,27 +234,28 @@ def test_a_write_to_a_closed_pipe_goes_nowhere_and_the_rank_is_told(monkeypatch,
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader has gone
     closed_stdout = io.TextIOWrapper(open(write_end, "wb", closefd=True), line_buffering=True)
-    with capsys.disabled():
-        monkeypatch.setattr(sys, "stdout", closed_stdout)
-        handler = logging.StreamHandler(sys.stdout)
-        logger = logging.getLogger("a rank's logger")
-        monkeypatch.setattr(logger, "handlers", [handler])
-        monkeypatch.setattr(logger, "propagate", False)
-        told = []
-        errors = io.StringIO()
-        monkeypatch.setattr(sys, "stderr", errors)
-        ending.quiet_when_closed(lambda: told.append("closed"))
-        in_another_thread = threading.Thread(target=print, args=("Rank 1 training batch 2",))
-        in_another_thread.start()
-        in_another_thread.join()
-        assert told, "the print did not tell"
-        told.clear()
-        logger.warning("worker1 successfully initialized RPC.")
-        assert told, "the logging handler's line did not tell"
-        assert errors.getvalue() == ""
-        monkeypatch.undo()  # the pipe's stream, closed last, fails to flush: nowhere to say so
-        with contextlib.suppress(BrokenPipeError):
+    errors = io.StringIO()
+    told = []
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(sys, "stdout", closed_stdout)
+            patched.setattr(sys, "stderr", errors)
+            logger = logging.getLogger("a rank's logger")
+            patched.setattr(logger, "handlers", [logging.StreamHandler(sys.stdout)])
+            patched.setattr(logger, "propagate", False)
+            ending.quiet_when_closed(lambda: told.append("closed"))
+            in_another_thread = threading.Thread(target=print, args=("Rank 1 training batch 2",))
+            in_another_thread.start()
+            in_another_thread.join()
+            printed_told = list(told)
+            logger.warning("worker1 successfully initialized RPC.")
+            logged_told = told[len(printed_told):]
+    finally:
+        with contextlib.suppress(BrokenPipeError):  # its last flush has nowhere to go
             closed_stdout.close()
+    assert printed_told, "the print did not tell"
+    assert logged_told, "the logging handler's line did not tell"
+    assert errors.getvalue() == ""
 
 
 def test_a_signal_without_a_name_is_named_by_its_number():
