@@ -308,6 +308,19 @@ def ray_installed():
     return importlib.util.find_spec("ray") is not None
 
 
+def monarch_installed():
+    """Whether torchmonarch is installed for this Python. Its wheels are for Linux and Python
+    3.10 to 3.13 (requirements.txt); elsewhere the bench leaves the Monarch programs out."""
+    import importlib.util
+
+    return importlib.util.find_spec("monarch") is not None
+
+
+def runs_monarch(variant):
+    """Whether the variant runs a Monarch program (an actors.py, this tree's or another's)."""
+    return any(str(part).endswith("actors.py") for part in variant.cmd or ())
+
+
 # The training's first and last lines in ray_param_server.py's output.
 RAY_WINDOW = (r"^Ray: training", r"^Ray: trained")
 
@@ -451,6 +464,8 @@ def comparisons(quick, folder):
     ]
     for comparison in all_comparisons:
         comparison.variants = [v for v in comparison.variants if not (quick and v.detail)]
+        if not monarch_installed():
+            comparison.variants = [v for v in comparison.variants if not runs_monarch(v)]
     return all_comparisons
 
 
@@ -540,7 +555,7 @@ def rpc_roundtrip(repeats):
                         str(free_port()), "--tcp_port", str(free_port()), "--out", str(out)],
                        env=CPU_ONLY, check=True, capture_output=True, timeout=600)
         results = json.loads(out.read_text())
-        for transport in MONARCH_TRANSPORTS:
+        for transport in MONARCH_TRANSPORTS if monarch_installed() else ():
             subprocess.run([PY, BENCH / "monarch_roundtrip.py", "--repeats", str(repeats),
                             "--transport", transport, "--out", str(out)], env=CPU_ONLY,
                            check=True, capture_output=True, timeout=600)
@@ -548,6 +563,10 @@ def rpc_roundtrip(repeats):
                 results.setdefault(size, {}).update(times)
         return results
 
+
+# Where torchmonarch is not installed: the bench runs everything else.
+MONARCH_MISSING = ("`pip install torchmonarch` where it has wheels (Linux, Python 3.10 to 3.13); "
+                   "without it, the bench runs every other program")
 
 # Monarch's channels between processes that monarch_roundtrip.py measures: Unix sockets (its
 # default on one host) and TCP.
@@ -568,6 +587,10 @@ def solve_runs():
     """Train rl_cartpole until solved, at the default seed, each way in SOLVES."""
     results = []
     for label, script, flags, runs in SOLVES:
+        if script == "actors.py" and not monarch_installed():
+            print(f"== rl_cartpole until solved, {label}: left out, {MONARCH_MISSING}",
+                  flush=True)
+            continue
         for run in range(runs):
             print(f"== rl_cartpole until solved, {label}, run {run + 1} of {runs}", flush=True)
             if script == "actors.py":
@@ -669,8 +692,11 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
         times = roundtrip[size]
         tcp, rpc = statistics.median(times["tcp"]), statistics.median(times["rpc"])
         lines.append(f"| {size} | {tcp * 1e3:.3f} ms | {rpc * 1e3:.3f} ms | {rpc / tcp:.1f} |")
-    lines += ["", "Monarch beside RPC (the actor programs, their round trip, their memory): "
-              f"[{MONARCH_RESULTS.name}]({MONARCH_RESULTS.name})."]
+    if monarch_installed():
+        lines += ["", "Monarch beside RPC (the actor programs, their round trip, their memory): "
+                  f"[{MONARCH_RESULTS.name}]({MONARCH_RESULTS.name})."]
+    else:
+        lines += ["", f"torchmonarch was not installed here: no Monarch rows. {MONARCH_MISSING}"]
     if suite_seconds is not None:
         seconds, failed = suite_seconds
         lines += ["", f"Test suite, `pytest -m 'not slow'`: {seconds:.0f} s wall"
@@ -1068,6 +1094,8 @@ def main():
         return measure_pipelines(repeats, args.quick)
     if args.threads:
         return measure_threads(repeats, args.quick)
+    if args.monarch and not monarch_installed():
+        parser.error(f"--monarch needs torchmonarch: {MONARCH_MISSING}")
     if args.monarch:
         return measure_monarch(repeats, args.quick)
     started = time.perf_counter()
@@ -1082,7 +1110,10 @@ def main():
         suite = test_suite_seconds()
     seconds = time.perf_counter() - started
     write_results(all_comparisons, roundtrip, suite, repeats, seconds, args.quick)
-    write_monarch(all_comparisons, roundtrip, repeats, seconds, args.quick)
+    if monarch_installed():
+        write_monarch(all_comparisons, roundtrip, repeats, seconds, args.quick)
+    else:
+        print(f"== {MONARCH_RESULTS.name} left as it was: {MONARCH_MISSING}", flush=True)
     write_chart(all_comparisons)
     print(RESULTS.read_text())
 
