@@ -28,9 +28,10 @@ $(VENV)/.dev-installed: requirements-newest.txt requirements-dev.txt pyproject.t
 	touch $@
 
 # Two test files at a time (pytest-xdist): the examples' ranks spend much of their time
-# waiting. make test leaves tests/test_launch_modes.py to make test-oldest (pyproject.toml's
+# waiting. The files go to the workers longest first (tests/conftest.py, LONGEST_FIRST).
+# make test leaves tests/test_launch_modes.py to make test-oldest (pyproject.toml's
 # launch_modes marker says why).
-PYTEST_TWO := -n 2 --dist loadfile
+PYTEST_TWO := -n 2 --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.dev-installed
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_TWO) -m "not launch_modes" --durations=25

@@ -341,7 +341,7 @@ def test_a_summary_file_lost_at_the_end_is_told_after_the_figures(runs, tmp_path
     printed, then one line naming the file, status 1."""
     folder = tmp_path / "going"
     folder.mkdir()
-    run = start_run(runs, "rl_cartpole", "--max_episodes", 40, "--log_interval", 1,
+    run = start_run(runs, "rl_cartpole", "--max_episodes", 20, "--log_interval", 1,
                     "--summary_json", folder / "summary.json", "--master_port", find_free_port(),
                     merged=True)
     run.wait_for_output(r"^Episode 2\t", timeout=120)
@@ -349,6 +349,6 @@ def test_a_summary_file_lost_at_the_end_is_told_after_the_figures(runs, tmp_path
     run.wait(timeout=120)
     assert run.returncode == 1, run.output
     lines = [line for line in run.output.splitlines() if line.strip()]
-    assert lines[-2].startswith("Summary: 40 episodes"), run.output
+    assert lines[-2].startswith("Summary: 20 episodes"), run.output
     assert "--summary_json" in lines[-1] and "not written" in lines[-1], run.output
     assert not run.leftovers()
