@@ -1,9 +1,10 @@
-# `make setup`: .venv with what the examples need, and nothing run.
+# `make setup`: .venv with what the examples need, and the supervisor's command rpcrun.
 # `make run`: every example end to end with small settings. `make test`: lint and tests.
-# Both create .venv on first use and install into it, editable, this project (pyproject.toml):
-# rpc_harness, the package every example imports; `make run` what requirements.txt lists,
-# `make test` the newest releases it allows, pinned in requirements-newest.txt, so that CI is
-# reproducible. A requirements file or pyproject.toml that changed is reinstalled (stamp files).
+# Both create .venv on first use and install into it what requirements.txt lists (`make test`:
+# the newest releases it allows, pinned in requirements-newest.txt, so that CI is reproducible)
+# and, editable, this project (pyproject.toml): rpc_harness, the supervisor, whose command is
+# rpcrun. The examples import none of it. A requirements file or pyproject.toml that changed is
+# reinstalled (stamp files).
 # `make test-oldest`: on the oldest versions requirements.txt allows, in .venv-oldest
 # (requirements-oldest.txt pins them), the quick tests, and every entry point end to end once
 # in each launch mode (tests/test_launch_modes.py).
@@ -102,16 +103,18 @@ bench: $(VENV)/.bench-installed
 	$(PY) bench/bench.py $(if $(QUICK),--quick) $(if $(SOLVE),--solve)
 
 # bench/FAULTS-<cores>-cores.md: every entry point in every launch mode under every fault a
-# user can cause, and what each terminal showed (bench/faults.py; about 45 minutes on 2 cores).
-# QUICK=1: param_server's main.py and actors.py alone, every mode and fault (4 minutes).
+# user can cause, each command under rpcrun, and what each terminal showed (bench/faults.py;
+# about 45 minutes on 2 cores). PLAIN=1: the same with the plain commands, torch alone, into
+# bench/FAULTS-plain-<cores>-cores.md. QUICK=1: param_server's main.py and actors.py alone,
+# every mode and fault (4 minutes). Both rewrite docs/failures.md's measured tables.
 faults: $(VENV)/.dev-installed
-	$(PY) bench/faults.py $(if $(QUICK),--quick)
+	$(PY) bench/faults.py $(if $(QUICK),--quick) $(if $(PLAIN),--plain)
 
 # docs/versions.md: every entry point in every launch mode on each torch minor from
 # requirements.txt's floor to the newest release, and on each Python that pyproject.toml claims,
 # each in an environment of its own that uv makes and removes (bench/versions.py; hours on 2
 # cores, see docs/versions.md's head). Ctrl-C stops it; run it again to pick up where it stopped.
-# Run it after a change to the harness or to a requirement.
+# Run it after a change to an example, to the supervisor or to a requirement.
 $(VENV)/.versions-installed: bench/requirements-versions.txt $(VENV)/.dev-installed
 	$(PY) -m pip install --quiet -r bench/requirements-versions.txt
 	touch $@

@@ -1,22 +1,28 @@
 """`make faults`: every failure a user can cause, in every entry point and launch mode, and what
 each terminal showed. Writes bench/FAULTS-<N>-cores.md (N: this machine's cores), the evidence
-behind the README's "When something fails".
+behind docs/failures.md, whose measured table it rewrites.
 
 A cell is an entry point (10 RPC programs, 2 Monarch programs), a launch mode (every rank from
 one command, `spawn-all`; a rank a terminal, `per-rank`, started in a changing order; `torchrun`;
-the Monarch programs' own, `monarch`) and a fault:
+the Monarch programs' own, `monarch`) and a fault. Every terminal runs its command under the
+supervisor, `python -m rpc_harness COMMAND` (rpcrun), but torchrun's, which supervises its own
+workers. With --plain, the same cells run the plain commands (torch alone, no rpcrun; torchrun's
+cells are the same either way, and left out), into bench/FAULTS-plain-<N>-cores.md: a cell still
+running PLAIN_END_SECONDS after its fault is ended and shown as "running". The faults:
 
     kill-rank      SIGKILL of a rank's own process (an actor's process, for Monarch)
-    kill-command   SIGKILL of the command a user started (one rank's command, per-rank)
+    kill-command   SIGKILL of the command a user started (rpcrun, or the plain command)
     ctrl-c         SIGINT to every process of a terminal, as Ctrl-C sends it
     ctrl-c-again   Ctrl-C pressed 2 or 3 times, 0.1 to 0.5 s apart (the counts and gaps change
                    from cell to cell)
     sigterm        SIGTERM to the command (`kill PID`)
     sigterm-again  SIGTERM sent to the command 2 or 3 times, 0.1 to 0.5 s apart
-    stop           SIGSTOP of a rank's process, past --rpc_timeout (--call_timeout), then SIGCONT
+    stop           SIGSTOP of a rank's process, past rpcrun's --lost_timeout (Monarch's
+                   --call_timeout), then SIGCONT
     never-comes    one rank never started (per-rank)
     other-flags    one rank started with a flag that differs (per-rank)
-    raise          the rank's own code raises (bench/fault_injection/sitecustomize.py)
+    raise          the rank's own code raises: a function it calls at each step
+                   (bench/fault_injection/sitecustomize.py)
     pipe-closed    the output of a terminal (per-rank: a rank that prints) piped into a program that
                    stops reading, as `| head` does: its standard output is a pipe, closed once
                    the run is under way
@@ -28,6 +34,7 @@ the seconds from the fault until the last process of the cell is gone, and the p
 10 s after the terminals ended (then killed).
 
     python bench/faults.py              # the whole matrix (about 45 minutes on 2 cores)
+    python bench/faults.py --plain      # the same with the plain commands
     python bench/faults.py --quick      # param_server/main.py and actors.py, every mode and fault
     python bench/faults.py --program rl_cartpole/main.py --mode per-rank --fault stop
 """
@@ -54,16 +61,17 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 PY = sys.executable
 CORES = len(os.sched_getaffinity(0))
-RESULTS = BENCH / f"FAULTS-{CORES}-cores.md"
 INJECTION = BENCH / "fault_injection"
-# The bounds the cells run with: short, so that the waits they bound end soon (the programs'
-# own: 60 s each). With 4 s, two of 340 cells lost a rank that was only slow: on 2 cores, with
-# another cell beside it, a rank's loop went 4 s without a turn as the ranks started.
-INIT_TIMEOUT = 8
-RPC_TIMEOUT = 6
-# How long a cell may take to get under way, and then to end after its fault.
+# rpcrun's bounds in the cells: short, so that the waits they bound end soon (its own: 60 s to
+# join, 30 s lost). Monarch's --call_timeout, the same as --lost_timeout.
+JOIN_TIMEOUT = 10
+LOST_TIMEOUT = 6
+RPCRUN = ["-m", "rpc_harness", "--join_timeout", JOIN_TIMEOUT, "--lost_timeout", LOST_TIMEOUT]
+# How long a cell may take to get under way, and then to end after its fault (the plain
+# commands: how long a cell is given before it is shown as still running).
 START_SECONDS = 150
 END_SECONDS = 90
+PLAIN_END_SECONDS = 40
 # How long the processes of a cell have to be gone once its terminals have ended.
 LEFT_SECONDS = 10
 
@@ -78,7 +86,8 @@ class Program:
     working: str  # a line that shows the run under way (a regular expression)
     victim: int = 1  # the rank that a fault acts on
     printer: int = None  # pipe-closed's rank: one that prints as it runs (default: the victim)
-    raises: tuple = ("profile_step", 1, 4)  # where the injected error goes: function, rank, call
+    raises: tuple = ()  # where the injected error goes: module:function, rank, call (Monarch:
+    # module:function, call)
     monarch: bool = False
 
     @property
@@ -93,34 +102,36 @@ class Program:
 
 
 SYNTHETIC = ["--dataset", "synthetic"]
+BACKWARD = "torch.distributed.autograd:backward"  # a trainer's step, in the RPC programs
 PROGRAMS = [
     Program("param_server/main.py", 2, [*SYNTHETIC, "--epochs", 1000, "--log_interval", 2],
-            r"^Rank \d training batch 2 "),
+            r"^Rank \d training batch 2 ", raises=(BACKWARD, 1, 4)),
     Program("param_server/batch.py", 3, [*SYNTHETIC, "--epochs", 1000, "--log_interval", 2],
-            r"^Rank \d training batch 2 "),
+            r"^Rank \d training batch 2 ", raises=("torch.nn.functional:nll_loss", 1, 4)),
     Program("param_server/actors.py", 2, [*SYNTHETIC, "--max_batches", 100000,
                                           "--log_interval", 2],
-            r"^Rank \d training batch 2 ", raises=("Recorder.step", 6), monarch=True),
+            r"^Rank \d training batch 2 ", raises=("torch.nn.functional:nll_loss", 6),
+            monarch=True),
     Program("rl_cartpole/main.py", 2, ["--max_episodes", 100000, "--log_interval", 1],
-            r"^Episode 2\t", raises=("profile_step", 0, 4), printer=0),
+            r"^Episode 2\t", raises=("torch.optim:Adam.step", 0, 4), printer=0),
     Program("rl_cartpole/batch.py", 3, ["--max_episodes", 100000, "--log_interval", 1],
-            r"^Episode 2\t", raises=("profile_step", 0, 4), printer=0),
+            r"^Episode 2\t", raises=("torch.optim:Adam.step", 0, 4), printer=0),
     Program("rl_cartpole/actors.py", 3, ["--max_episodes", 100000, "--log_interval", 1],
             r"^Episode 2\t", raises=("gymnasium.wrappers.common:TimeLimit.step", 40), monarch=True),
     Program("rnn_model_parallel/main.py", 2, ["--epochs", 100000],
-            r"^Training epoch 1$", raises=("profile_step", 1, 30)),
+            r"^Training epoch 1$", raises=(BACKWARD, 1, 30)),
     Program("ddp_rpc_hybrid/main.py", 4, ["--epochs", 100000],
-            r"^Training done for epoch 0$", victim=0, raises=("profile_step", 0, 15)),
+            r"^Training done for epoch 0$", victim=0, raises=(BACKWARD, 0, 15)),
     Program("ddp_rpc_hybrid/remote_module.py", 4, ["--epochs", 100000],
-            r"^Training done for epoch 0$", victim=0, raises=("profile_step", 0, 15)),
+            r"^Training done for epoch 0$", victim=0, raises=(BACKWARD, 0, 15)),
     Program("pipeline_parallel/main.py", 3, ["--num_split", 2, "--num_batches", 100000,
                                              "--batch_size", 4],
-            r"^Processing batch 1$", raises=("profile_step", 0, 3), printer=0),
+            r"^Processing batch 1$", raises=(BACKWARD, 0, 3), printer=0),
     Program("pipeline_parallel/pipelining.py", 2, ["--num_split", 2, "--num_batches", 100000,
                                                    "--batch_size", 4, "--schedule", "GPipe"],
-            r"^GPipe, n_microbatches 2, batch 1:", raises=("profile_step", 1, 3)),
+            r"^GPipe, n_microbatches 2, batch 1:", raises=("torch.optim:SGD.step", 1, 3)),
     Program("rpc_profiling/main.py", 2, [],
-            r"joined the other 1 rank|^-{20,}", raises=("report", 1, 1)),
+            r"^-{20,}", raises=("torch:add", 1, 1)),
 ]
 BY_PATH = {program.path: program for program in PROGRAMS}
 FAULTS = ["kill-rank", "kill-command", "ctrl-c", "ctrl-c-again", "sigterm", "sigterm-again",
@@ -297,24 +308,24 @@ class Cell:
     tracebacks: list = field(default_factory=list)  # the terminals that showed a traceback
 
 
-def start_terminals(program, mode, fault, port, env, folder):
+def start_terminals(program, mode, fault, port, env, folder, plain):
     """The cell's terminals (for per-rank, in a start order that changes from program to
-    program) and the start order."""
+    program) and the start order. Each runs its command under rpcrun, unless `plain`, or under
+    torchrun."""
     endless = [*program.endless, *(["--summary_json", BAD_PATH] if fault == "bad-path" else [])]
-    common = [*endless, "--master_port", port, "--init_timeout", INIT_TIMEOUT,
-              "--rpc_timeout", RPC_TIMEOUT]
+    common = [*endless, "--master_port", port]
     script = ROOT / program.path
+    python = [PY] if plain else [PY, *RPCRUN, "--port", free_port()]
     piped = fault == "pipe-closed"
     if mode == "monarch":
-        flags = [*endless, "--init_timeout", 60, "--call_timeout", RPC_TIMEOUT]
-        return [Terminal("controller", [PY, script, *flags], env, folder, piped)], []
+        flags = [*endless, "--call_timeout", LOST_TIMEOUT]
+        return [Terminal("controller", [*python, script, *flags], env, folder, piped)], []
     if mode == "spawn-all":
-        cmd = [PY, script, "--world_size", program.world_size, *common]
+        cmd = [*python, script, "--world_size", program.world_size, *common]
         return [Terminal("command", cmd, env, folder, piped)], []
     if mode == "torchrun":
-        flags = [*endless, "--init_timeout", INIT_TIMEOUT, "--rpc_timeout", RPC_TIMEOUT]
         cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", program.world_size,
-               "--master_port", port, script, *flags]
+               "--master_port", port, script, *endless]
         return [Terminal("torchrun", cmd, env, folder, piped)], []
     ranks = list(range(program.world_size))
     shift = PROGRAMS.index(program) + FAULTS.index(fault)
@@ -326,20 +337,22 @@ def start_terminals(program, mode, fault, port, env, folder):
         if fault == "never-comes" and rank == program.victim:
             continue
         flags = ["--seed", 7] if fault == "other-flags" and rank == program.victim else []
-        cmd = [PY, script, "--world_size", program.world_size, "--rank", rank, *common, *flags]
+        cmd = [*python, script, "--world_size", program.world_size, "--rank", rank, *common,
+               *flags]
         terminals[rank] = Terminal(f"rank {rank}", cmd, env, folder,
                                    piped and rank == program.piped)
         time.sleep(0.2)  # one terminal after another, in this order
     return [terminals[rank] for rank in sorted(terminals)], order
 
 
-def rank_process(program, mode, terminals, rank):
-    """The pid of a rank's own process (an actor's, for Monarch)."""
+def rank_process(program, mode, terminals, rank, plain):
+    """The pid of a rank's own process (an actor's, for Monarch): a child of the command, which
+    rpcrun started, unless `plain`."""
     if mode == "spawn-all":
-        return children(terminals[0].proc.pid)[rank]
+        return children(command_process(terminals[0], plain))[rank]
     if mode == "per-rank":
         terminal = next(t for t in terminals if t.name == f"rank {rank}")
-        return children(terminal.proc.pid)[0]
+        return children(command_process(terminal, plain))[0]
     if mode == "torchrun":
         for command in children(terminals[0].proc.pid):
             if _environ(command).get("RANK") == str(rank):
@@ -347,6 +360,11 @@ def rank_process(program, mode, terminals, rank):
         raise RuntimeError(f"torchrun has no rank {rank}")
     actors = [pid for pid in terminals[0].session() if "bootstrap_main" in _cmdline(pid)]
     return sorted(actors, key=lambda pid: _stat(pid)[3])[0]
+
+
+def command_process(terminal, plain):
+    """The pid of the example's command in a terminal: rpcrun's child, or the terminal's."""
+    return terminal.proc.pid if plain else children(terminal.proc.pid)[0]
 
 
 def command_of(program, mode, terminals, rank=None):
@@ -422,8 +440,9 @@ class _gone_already:
         return kind is ProcessLookupError
 
 
-def run_cell(program, mode, fault, folder):
-    """Run one cell: start, fault, wait for the end; what each terminal showed."""
+def run_cell(program, mode, fault, folder, plain=False):
+    """Run one cell: start, fault, wait for the end; what each terminal showed. `plain`: the
+    plain commands, which may still run PLAIN_END_SECONDS after the fault (then ended)."""
     cell = Cell(program.path, mode, fault)
     cell_started = time.monotonic()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -434,11 +453,10 @@ def run_cell(program, mode, fault, folder):
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INJECTION),
                                                           env.get("PYTHONPATH")]))
         env["FAULTS_RAISED"] = str(raised)
-        if program.monarch:
-            env["FAULTS_RAISE"] = "actor " + " ".join(map(str, program.raises))
-        else:
-            env["FAULTS_RAISE"] = "rank " + " ".join(map(str, program.raises))
-    terminals, cell.order = start_terminals(program, mode, fault, free_port(), env, folder)
+        kind = "actor" if program.monarch else "rank"
+        env["FAULTS_RAISE"] = f"{kind} " + " ".join(map(str, program.raises))
+    terminals, cell.order = start_terminals(program, mode, fault, free_port(), env, folder,
+                                            plain)
     known = set()  # every process of the cell seen so far
     stopped = None
     watching = _Watcher(terminals, known)
@@ -461,11 +479,12 @@ def run_cell(program, mode, fault, folder):
             known.update(pid for t in terminals for pid in t.session())
             fault_at = time.monotonic()
             if not cell.problem:
-                stopped = act(program, mode, fault, terminals)
-        ended = wait_for_the_end(terminals, END_SECONDS, stopped)
+                stopped = act(program, mode, fault, terminals, plain)
+        bound = PLAIN_END_SECONDS if plain else END_SECONDS
+        ended = wait_for_the_end(terminals, bound, stopped)
         watching.stop()
-        if not ended:
-            cell.problem = cell.problem or f"a terminal was still running {END_SECONDS} s on"
+        if not ended and not plain:
+            cell.problem = cell.problem or f"a terminal was still running {bound} s on"
         gone = _wait_until_gone(terminals, known, LEFT_SECONDS)
         cell.left = len(gone[1])
         cell.seconds = round(gone[0] - fault_at, 1)
@@ -492,10 +511,10 @@ def run_cell(program, mode, fault, folder):
     return cell
 
 
-def act(program, mode, fault, terminals):
+def act(program, mode, fault, terminals, plain):
     """Apply `fault`; for stop, (the stopped pid, its terminal)."""
     if fault == "kill-rank":
-        os.kill(rank_process(program, mode, terminals, program.victim), signal.SIGKILL)
+        os.kill(rank_process(program, mode, terminals, program.victim, plain), signal.SIGKILL)
     elif fault == "kill-command":
         os.kill(command_of(program, mode, terminals).proc.pid, signal.SIGKILL)
     elif fault == "ctrl-c":
@@ -515,7 +534,7 @@ def act(program, mode, fault, terminals):
     elif fault == "pipe-closed":
         command_of(program, mode, terminals, program.piped).close_pipe()
     elif fault == "stop":
-        pid = rank_process(program, mode, terminals, program.victim)
+        pid = rank_process(program, mode, terminals, program.victim, plain)
         os.kill(pid, signal.SIGSTOP)
         owner = command_of(program, mode, terminals) if mode == "per-rank" else None
         return pid, owner
@@ -535,30 +554,36 @@ def _wait_until_gone(terminals, known, seconds):
 
 # --------- What should have happened --------------------
 
-# The harness's last lines (rpc_harness: the records of rank.py and rendezvous.py, which
-# command.py says; monarch_runs.py's): how they end.
-HARNESS_LINE = re.compile(
-    r"(: interrupted( \(SIGTERM\))?|; stopped (the other ranks|every rank|every process)"
-    r"|was killed by \S+|: lost contact with .*\)|failed \(.*\)|gave up on this rank, .*\)"
-    r"|with the same (flags|values|program)|give every rank its own --rank"
-    r"|exited with status \d+|(did not come|went away|cannot reach|lost a rank while) .*"
-    r"|: error: --summary_json .*)$")
+# The lines a terminal may end with after a fault: rpcrun's own; a program's own line for bad
+# input (argparse's "PROG: error: ..."), with status 2; a Monarch program's, whose controller
+# supervises its processes and says what happened in one line of its own.
+RPCRUN_LINE = re.compile(r"^rpcrun: ")
+OWN_BAD_INPUT = re.compile(r"^\S+\.py: error: ")
+MONARCH_LINE = re.compile(r"(; stopped every process|no answer from .* \(--call_timeout\)"
+                          r"|was killed by \S+|failed \(.*\))$")
 
 
 def check(cell):
-    """What in a cell breaks the promise, or "": a terminal without our line last (but where
-    the fault killed the terminal's own command: there the shell says "Killed"; and torchrun's,
-    whose agent reports the failure its own way, last), a status of 0 after a fault, a process
-    left, a terminal still running."""
+    """What in a cell breaks the promise, or "": a terminal without rpcrun's line last (but
+    where the fault killed the terminal's own command: there the shell says "Killed"; where a
+    terminal's pipe closed: quiet; where the command refused its flags: its own line, status 2;
+    a Monarch program's own line; and torchrun's, whose agent reports the failure its own way,
+    last), a status of 0 after a fault, a traceback but the raising rank's own, a process left,
+    a terminal still running."""
     if cell.problem:
         return cell.problem
-    if cell.fault in ("pipe-closed", "bad-path") and cell.mode != "torchrun" and cell.tracebacks:
-        return f"{cell.tracebacks[0]}: a traceback"
+    program = BY_PATH[cell.program]
+    if cell.mode != "torchrun":
+        shown = [name for name in cell.tracebacks
+                 if cell.fault != "raise" or (cell.mode == "per-rank"
+                                              and name != f"rank {program.raises[1]}")]
+        if shown:
+            return f"{shown[0]}: a traceback"
     for name, line, status, _ in cell.terminals:
         killed = cell.fault == "kill-command" and status == -signal.SIGKILL and (
-            cell.mode != "per-rank" or name == f"rank {BY_PATH[cell.program].victim}")
+            cell.mode != "per-rank" or name == f"rank {program.victim}")
         piped = cell.fault == "pipe-closed" and (
-            cell.mode != "per-rank" or name == f"rank {BY_PATH[cell.program].piped}")
+            cell.mode != "per-rank" or name == f"rank {program.piped}")
         if status == 0:
             return f"{name}: status 0"
         if piped and cell.mode != "torchrun":
@@ -568,8 +593,11 @@ def check(cell):
             continue
         if killed or cell.mode == "torchrun":
             continue
-        if not HARNESS_LINE.search(line):
-            return f"{name}: its last line is not the harness's"
+        if RPCRUN_LINE.search(line) or (status == 2 and OWN_BAD_INPUT.search(line)):
+            continue
+        if cell.mode == "monarch" and MONARCH_LINE.search(line):
+            continue
+        return f"{name}: its last line is not rpcrun's"
     if cell.left:
         return f"{cell.left} process(es) left"
     return ""
@@ -590,45 +618,76 @@ def machine():
 
 
 SUMMARY_HEADER = "| mode | fault | as they should be | statuses | most seconds |"
+PLAIN_HEADER = ("| mode | fault | ended within {seconds} s | statuses | cells with a traceback "
+                "| cells with processes left |")
 
 
-def write(cells, seconds, quick):
-    lines = [
-        f"# What each terminal shows when something fails ({CORES} cores)",
-        "",
-        f"`python bench/faults.py{' --quick' if quick else ''}` on {machine()}: "
-        f"{len(cells)} cells in {seconds / 60:.1f} minutes. A cell: an entry point, a launch "
-        "mode, a fault (bench/faults.py's docstring says what each does). For each terminal: "
-        "its last line, its exit status and the seconds from the fault until it ended; then the "
-        f"seconds until the last process of the cell was gone, and the processes left "
-        f"{LEFT_SECONDS:g} s after the terminals ended. Bounds: `--init_timeout {INIT_TIMEOUT}`, "
-        f"`--rpc_timeout {RPC_TIMEOUT}` (Monarch: `--call_timeout {RPC_TIMEOUT}`). "
-        "Per-rank terminals are listed by rank; the order they were started in is given.",
-        "",
-    ]
-    broken = [cell for cell in cells if check(cell)]
-    lines += [f"Cells where something did not happen as it should: {len(broken)}."]
-    for cell in broken:
-        lines.append(f"- {cell.program} {cell.mode} {cell.fault}: {check(cell)}")
-    lines += ["", "## By launch mode and fault", "",
-              "Over every entry point: the cells as they should be, the exit statuses seen (as "
-              "a shell shows them), and the most seconds from the fault until the last process "
-              "was gone.", "",
-              SUMMARY_HEADER, "|---|---|---:|---|---:|"]
+def results_path(plain):
+    return BENCH / f"FAULTS-{'plain-' if plain else ''}{CORES}-cores.md"
+
+
+def summary_table(cells, plain):
+    """The table "By launch mode and fault": supervised, the cells as they should be, the
+    statuses seen and the most seconds until every process was gone; plain, how many cells
+    ended by themselves within PLAIN_END_SECONDS, the statuses, and the cells that showed a
+    traceback or left a process."""
     groups = {}
     for cell in cells:
         groups.setdefault((cell.mode, cell.fault), []).append(cell)
+    if plain:
+        rows = [PLAIN_HEADER.format(seconds=PLAIN_END_SECONDS), "|---|---|---:|---|---:|---:|"]
+    else:
+        rows = [SUMMARY_HEADER, "|---|---|---:|---|---:|"]
     for (mode, fault), group in groups.items():
-        statuses = sorted({status_shown(status) for cell in group
-                           for _, _, status, _ in cell.terminals}, key=str)
+        statuses = sorted({"running" if ended is None else status_shown(status)
+                           for cell in group for _, _, status, ended in cell.terminals}, key=str)
+        if plain:
+            ended = sum(1 for cell in group if all(t[3] is not None for t in cell.terminals))
+            tracebacks = sum(1 for cell in group if cell.tracebacks)
+            left = sum(1 for cell in group if cell.left)
+            rows.append(f"| {mode} | {fault} | {ended} of {len(group)} | {'; '.join(statuses)} "
+                        f"| {tracebacks} | {left} |")
+            continue
         seconds = [cell.seconds for cell in group if cell.seconds is not None]
         good = sum(1 for cell in group if not check(cell))
-        lines.append(f"| {mode} | {fault} | {good} of {len(group)} | {'; '.join(statuses)} | "
-                     f"{max(seconds) if seconds else ''} |")
-    lines.append("")
+        rows.append(f"| {mode} | {fault} | {good} of {len(group)} | {'; '.join(statuses)} | "
+                    f"{max(seconds) if seconds else ''} |")
+    return rows
+
+
+def bounds(plain):
+    if plain:
+        return (f"the plain commands, torch alone; a cell still running {PLAIN_END_SECONDS} s "
+                "after its fault was ended, its terminals shown as `running`")
+    return (f"rpcrun `--join_timeout {JOIN_TIMEOUT} --lost_timeout {LOST_TIMEOUT}` (Monarch: "
+            f"`--call_timeout {LOST_TIMEOUT}`)")
+
+
+def write(cells, seconds, quick, plain):
+    flags = "".join(flag for flag, on in ((" --quick", quick), (" --plain", plain)) if on)
+    lines = [
+        f"# What each terminal shows when something fails ({CORES} cores"
+        f"{', the plain commands' if plain else ''})",
+        "",
+        f"`python bench/faults.py{flags}` on {machine()}: {len(cells)} cells in "
+        f"{seconds / 60:.1f} minutes, {bounds(plain)}. A cell: an entry point, a launch mode, a "
+        "fault (bench/faults.py's docstring says what each does). For each terminal: its last "
+        "line, its exit status and the seconds from the fault until it ended; then the seconds "
+        "until the last process of the cell was gone, and the processes left "
+        f"{LEFT_SECONDS:g} s after the terminals ended. Per-rank terminals are listed by rank; "
+        "the order they were started in is given.",
+        "",
+    ]
+    broken = [] if plain else [cell for cell in cells if check(cell)]
+    if not plain:
+        lines += [f"Cells where something did not happen as it should: {len(broken)}."]
+        for cell in broken:
+            lines.append(f"- {cell.program} {cell.mode} {cell.fault}: {check(cell)}")
+    lines += ["", "## By launch mode and fault", "", "Over every entry point.", ""]
+    table = summary_table(cells, plain)
+    lines += [*table, ""]
     if not quick:
-        table = lines[lines.index(SUMMARY_HEADER):]
-        write_failures_page(table, len(cells), len(broken))
+        write_failures_page(table, len(cells), len(broken), plain)
     for program in dict.fromkeys(cell.program for cell in cells):
         lines += [f"## {program}", "",
                   "| mode | fault | terminal: last line (status, seconds) | all gone (s) | "
@@ -647,23 +706,24 @@ def write(cells, seconds, quick):
             lines.append(f"| {mode} | {cell.fault} | {'<br>'.join(shown)} | "
                          f"{'' if cell.seconds is None else cell.seconds} | {cell.left} |")
         lines.append("")
-    RESULTS.write_text("\n".join(lines))
+    results_path(plain).write_text("\n".join(lines))
 
 
-def write_failures_page(table, cells, broken):
-    """docs/failures.md's measured part, between its markers: the table "By launch mode and
-    fault" of this run, so that the page's statuses and seconds are the ones measured."""
+def write_failures_page(table, cells, broken, plain):
+    """docs/failures.md's measured part, between its markers (one pair for each kind of run):
+    the table "By launch mode and fault" of this run, so that the page's statuses and seconds
+    are the ones measured."""
     page = ROOT / "docs" / "failures.md"
-    begin, end = "<!-- make faults: begin -->", "<!-- make faults: end -->"
+    kind = "make faults PLAIN=1" if plain else "make faults"
+    begin, end = f"<!-- {kind}: begin -->", f"<!-- {kind}: end -->"
     text = page.read_text()
     before, _, rest = text.partition(begin)
     _, _, after = rest.partition(end)
-    results = f"bench/FAULTS-{CORES}-cores.md"
+    results = results_path(plain).relative_to(ROOT)
+    counted = f"Cells: {cells}" + ("" if plain else f"; as they should be: {cells - broken}")
     measured = [begin,
-                f"Measured by `make faults` on {machine()}. Cells: {cells}; as they should be: "
-                f"{cells - broken}. Bounds: `--init_timeout {INIT_TIMEOUT}`, `--rpc_timeout "
-                f"{RPC_TIMEOUT}` (Monarch: `--call_timeout {RPC_TIMEOUT}`). Each cell is in "
-                f"[{results}](../{results}).", "", *table, end]
+                f"Measured by `{kind}` on {machine()}, {bounds(plain)}. {counted}. Each cell is "
+                f"in [{results}](../{results}).", "", *table, end]
     page.write_text(before + "\n".join(measured) + after)
 
 
@@ -673,6 +733,8 @@ def cells_to_run(args):
         for mode in program.modes:
             if args.mode and mode not in args.mode:
                 continue
+            if args.plain and mode == "torchrun":
+                continue  # torchrun's cells are plain already
             for fault in FAULTS:
                 if args.fault and fault not in args.fault:
                     continue
@@ -684,6 +746,9 @@ def cells_to_run(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plain", action="store_true",
+                        help="the plain commands (torch alone, no rpcrun), into "
+                             f"{results_path(True).name}")
     parser.add_argument("--quick", action="store_true",
                         help=f"only {' and '.join(QUICK)}, every mode and fault")
     parser.add_argument("--program", action="append", choices=list(BY_PATH),
@@ -695,7 +760,7 @@ def main():
                         help="no cell beside another (by default the cells that mostly wait "
                              "for a bound run beside the others, one of each at a time)")
     parser.add_argument("--no_write", "--no-write", action="store_true",
-                        help=f"print the cells, do not write {RESULTS.name}")
+                        help=f"print the cells, do not write {results_path(False).name}")
     args = parser.parse_args()
     # Each terminal gets Ctrl-C (SIGINT) as a terminal's command does. Started in the background
     # of a non-interactive shell (`make faults &`, nohup), this process inherits SIGINT ignored,
@@ -709,8 +774,8 @@ def main():
     printing = threading.Lock()
     cells = [None] * len(todo)
 
-    # Two lanes: the cells that spend most of their time waiting for a bound (--init_timeout,
-    # --rpc_timeout) run beside the others, one of each at a time; the waiting lane, its own
+    # Two lanes: the cells that spend most of their time waiting for a bound (--join_timeout,
+    # --lost_timeout) run beside the others, one of each at a time; the waiting lane, its own
     # cells done, takes the others' from the end of their list. One cell at a time, a matrix of
     # 212 cells took 36 minutes on 2 cores; with the waiting cells beside the others, 31, the
     # waiting lane idle for its last 13. Where cells overlap, a cell's seconds include the
@@ -738,7 +803,7 @@ def main():
             folder = Path(scratch) / str(number)
             folder.mkdir()
             try:
-                cell = run_cell(program, mode, fault, folder)
+                cell = run_cell(program, mode, fault, folder, args.plain)
             except _Ended:  # the main thread ends every terminal, and this program
                 return
             cells[number] = cell
@@ -763,14 +828,15 @@ def main():
         count = end_every_terminal()
         shutil.rmtree(scratch, ignore_errors=True)
         print(f"interrupted: ended the {count} terminal(s) of the cells under way; "
-              f"{RESULTS.name} not written", file=sys.stderr, flush=True)
+              f"{results_path(args.plain).name} not written", file=sys.stderr, flush=True)
         os._exit(130 if isinstance(ended, KeyboardInterrupt) else 143)
     shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.monotonic() - started
     if not args.no_write:
-        write(cells, seconds, args.quick)
-        print(f"wrote {RESULTS.relative_to(ROOT)}: {len(cells)} cells in {seconds / 60:.1f} min")
-    return 1 if any(check(cell) for cell in cells) else 0
+        write(cells, seconds, args.quick, args.plain)
+        print(f"wrote {results_path(args.plain).relative_to(ROOT)}: {len(cells)} cells in "
+              f"{seconds / 60:.1f} min")
+    return 0 if args.plain or not any(check(cell) for cell in cells) else 1
 
 
 if __name__ == "__main__":

@@ -1,177 +1,305 @@
-"""The command that starts the ranks: main.py's __main__, with the tutorial's mp.spawn (every
-rank) or mp.Process (the rank that --rank names). Its terminal's last line says why the run
-ended, with the status, and no rank is left behind.
+"""rpcrun's command line, and what it reads of the command it supervises.
 
-How a failure travels from its cause to each terminal's last line:
+    rpcrun [--join_timeout S] [--lost_timeout S] [--port P] SCRIPT [ARGS...]
 
-1. A rank learns why it must end, in rank.py: its code raised (Rank.fail, then the loop's
-   _on_fail); a peer's connection closed or went silent (_on_data, _turn: _peer_lost); rank 0
-   said a peer was lost or failed (_read); Ctrl-C or SIGTERM (_on_signal); or the join failed
-   (rendezvous.py). Each calls Rank.end, which writes the rank's record (ending.write_record:
-   its rank, name, time, line and status, in the folder that supervise() made), tells the
-   peers, closes its connections and exits: 1 for a failure, 2 for bad input, 128 + N for
-   signal N. A rank killed by a signal writes nothing. A rank whose command died gets SIGHUP
-   (_on_signal): it removes the folder, which nobody will read, and ends without a record.
-2. Its command learns that the rank ended. Under mp.spawn, mp.spawn stops the other ranks
-   (SIGTERM) and raises in the command: excepthook. Under mp.Process, p.join() returns:
-   exit_status. Ctrl-C or SIGTERM to the command itself: on_signal, which passes the signal
-   on to the ranks.
-3. The command stops what is left of its ranks (_stop_ranks) and says one line (_end_for):
-   that the rank was killed by a signal, else the earliest record. Then it removes the folder
-   and exits with that status (ending.end)."""
+SCRIPT ARGS is the example's own command (`python SCRIPT ARGS`), run as it is. Of its flags,
+rpcrun reads only --world_size, --rank, --master_addr, --master_port and --profile; where one is
+not given, the default that SCRIPT's folder declares for it (`add_argument("--world_size", ...,
+default=4)`, read with `ast`, never by importing it). The rest of ARGS it compares between the
+ranks, as text."""
 
-import atexit
-import contextlib
-import logging
-import multiprocessing
+import argparse
+import ast
+import ipaddress
 import os
-import shutil
-import signal
+import socket
 import sys
-import tempfile
-import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
-import torch.multiprocessing as mp
+# The flags that describe a rank's own machine or part, which may differ between ranks; the
+# meeting compares the others. --world_size and --master_port are compared by their values.
+PER_RANK_FLAGS = {"rank", "master_addr", "master_port", "world_size", "summary_json",
+                  "profile", "data_dir"}
 
-from . import ending
-from .ending import signal_name
-from .state import state
+# The examples' defaults where their scripts declare none that can be read (CONVENTIONS.md).
+DEFAULT_MASTER_ADDR = "localhost"
+DEFAULT_MASTER_PORT = 29500
 
-# How long the ranks may take to end on their own, then after SIGTERM (a rank writes its
-# --profile trace first: 3 s at most), before they are killed.
-GRACE_SECONDS = 5.0
-
-
-
-def supervise(args):
-    """Not in the tutorials: make this command end in one line when a rank fails or is killed,
-    and on Ctrl-C or SIGTERM, stopping every rank it started first. It changes, in this process
-    (docs/harness.md says why): a private folder for the ranks' records, removed as the command
-    ends; handlers of SIGINT and SIGTERM; sys.excepthook, for mp.spawn's report of a failed
-    rank; torch.multiprocessing's log level (ERROR); TORCH_CPP_LOG_LEVEL=FATAL and, with
-    --profile, KINETO_LOG_LEVEL=6, unless set, which the ranks inherit; under torchrun, SIGTERM
-    when torchrun's agent dies."""
-    state.plan = args.harness
-    state.plan.records = tempfile.mkdtemp(prefix="rpc_harness-")
-    atexit.register(shutil.rmtree, state.plan.records, ignore_errors=True)
-    ending.on_signals(on_signal)
-    sys.excepthook = excepthook
-    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-    if getattr(args, "profile", None):
-        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    if args.torchrun:
-        signal_when_the_parent_dies(signal.SIGTERM, args.harness.parent)
+# rpcrun's own port is the command's --master_port less this (29400 for 29500, as torchrun's
+# rendezvous): not --master_port + 1, which the DDP tutorial's RPC takes.
+PORT_OFFSET = 100
 
 
-def on_signal(number):
-    """Ctrl-C or SIGTERM to this command: pass it on to the ranks, stop them, end with
-    128 + the signal's number."""
-    ending.claim()
-    for process in multiprocessing.active_children():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, number)
-    _stop_ranks()
-    status = 128 + number
-    suffix = "" if number == signal.SIGINT else " (SIGTERM)"
-    if state.plan.spawn_all:
-        _end(f"interrupted{suffix}; stopped every rank", status)
-    records = ending.read_records(state.plan.records)
-    if records:
-        _end(records[0]["line"], status)
-    _end(f"{state.plan.names[state.plan.rank]}: interrupted{suffix}", status)
+@dataclass
+class Command:
+    """What the supervisor knows of the command it runs: the script and its arguments, and, of
+    those, what it needs to meet the other ranks' supervisors."""
+
+    script: Path  # the example's script, as given
+    argv: list  # the arguments after it
+    world_size: int | None  # --world_size, or the script's default; None: unknown
+    rank: int | None  # --rank; None: the command starts every rank (mp.spawn)
+    master_addr: str
+    master_port: int | None
+    profile: str | None  # --profile DIR
+    join_timeout: float
+    lost_timeout: float
+    port: int | None  # where the supervisors meet (rank 0's listens)
+    flags: dict = field(default_factory=dict)  # flag -> values, as the ranks must share them
+
+    @property
+    def program(self):
+        """The script as the ranks compare it: its folder and name ("param_server/main.py")."""
+        resolved = self.script.resolve()
+        return f"{resolved.parent.name}/{resolved.name}"
+
+    @property
+    def meets(self):
+        """Whether this command is one rank of several that meet: --rank R of a world of W,
+        both sensible. Otherwise (every rank here, --help, or flags that the script itself
+        will refuse) it runs alone, and its script says what is wrong."""
+        return (self.rank is not None and self.world_size is not None
+                and self.world_size >= 2 and 0 <= self.rank < self.world_size
+                and self.master_port is not None and self.port is not None)
+
+    @property
+    def local(self):
+        """Whether every rank runs on this machine: the ranks meet on a loopback address, or
+        this command starts them all."""
+        return self.rank is None or is_loopback(self.master_addr)
+
+    @property
+    def ranks_here(self):
+        """How many ranks share this machine's cores, or None where that is unknown (ranks of
+        other machines meet at --master_addr)."""
+        return self.world_size if self.local else None
 
 
-def excepthook(kind, value, traceback):
-    """sys.excepthook of the command: mp.spawn's report that a rank ended with an error ends
-    the command in one line; any other error is printed as Python prints it, and the command
-    ends, status 1. Either way the ranks are stopped first (mp.spawn has stopped them already
-    when it reports one)."""
-    ending.claim()
-    if isinstance(value, BrokenPipeError) and ending.output_closed():
-        # The command's own output is a pipe that nobody reads any more: end quietly.
-        _stop_ranks()
-        _end(None, ending.PIPE_CLOSED)
-    if isinstance(value, mp.ProcessExitedException):
-        _stop_ranks()
-        _end_for(value.error_index, value.exit_code, "; stopped the other ranks")
-    if isinstance(value, mp.ProcessRaisedException):
-        # Raised before the rank's own code ran (the harness catches what that raises): the
-        # rank's traceback, which mp.spawn carried here, then the line.
-        print(str(value).strip(), file=sys.stderr, flush=True)
-        _stop_ranks()
-        _end(f"{state.plan.names[value.error_index]} (rank {value.error_index}) failed; stopped "
-             "the other ranks", 1)
-    # Any other error of the command's own: its traceback, as Python prints it.
-    sys.__excepthook__(kind, value, traceback)
-    _stop_ranks()
-    _end(None, 1)
+def parser():
+    """rpcrun's own flags, before SCRIPT."""
+    made = argparse.ArgumentParser(
+        prog="rpcrun",
+        usage="rpcrun [options] SCRIPT [ARGS...]",
+        description="Run an example's command (python SCRIPT ARGS) under a supervisor, in every "
+                    "terminal of a run: the ranks' supervisors meet before the ranks start, every "
+                    "wait is bounded, and when one rank fails, is killed, stopped or interrupted, "
+                    "every terminal ends with one line that says so and nothing is left running. "
+                    "See docs/rpcrun.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False)
+    made.add_argument("--join_timeout", "--join-timeout", type=positive_seconds, default=60.0,
+                      metavar="SECONDS", help="how long the ranks may take to come")
+    made.add_argument("--lost_timeout", "--lost-timeout", type=positive_seconds, default=30.0,
+                      metavar="SECONDS",
+                      help="a rank whose supervisor is silent, or whose process is stopped "
+                           "(SIGSTOP), this long is lost")
+    made.add_argument("--port", type=port_number, default=None,
+                      help=f"where the ranks' supervisors meet, on --master_addr (default: "
+                           f"--master_port - {PORT_OFFSET})")
+    made.add_argument("script", metavar="SCRIPT", help="the example's script (main.py, ...)")
+    made.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
+                      help="the script's own arguments")
+    return made
 
 
-def exit_status(process):
-    """Not in the tutorials: the command's exit status, from the rank that `process` ran (the
-    rank that --rank names): 0 if it succeeded; otherwise, in one line, why it ended."""
-    code = process.exitcode
-    if code == 0:
-        shutil.rmtree(state.plan.records, ignore_errors=True)
-        return 0
-    ending.claim()
-    _end_for(state.plan.rank, code, "")
+def positive_seconds(text):
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    return value
 
 
-def _end_for(rank, code, suffix):
-    """End the command for rank `rank`, which ended with exit code `code` (negative: killed by
-    that signal): the earliest record of the ranks, or how the rank ended."""
-    who = f"{state.plan.names[rank]} (rank {rank})"
-    if code < 0:  # killed by a signal: a status as a shell gives a killed command
-        _end(f"{who} was killed by {signal_name(-code)}{suffix}", 128 - code)
-    records = ending.read_records(state.plan.records)
-    if records and records[0]["status"] == ending.PIPE_CLOSED:
-        _end(None, ending.PIPE_CLOSED)  # the output that `| head` stopped reading: quietly
-    if records:
-        _end(records[0]["line"] + suffix, records[0]["status"])
-    _end(f"{who} exited with status {code}{suffix}", code)
+def port_number(text):
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 1 to 65535, got {text}")
+    return value
 
 
-def _end(line, status):
-    shutil.rmtree(state.plan.records, ignore_errors=True)
-    ending.end(line, status)
+def parse(argv=None):
+    """rpcrun's command line, and what it reads of the script's; bad input of its own: one
+    line, status 2. Under torchrun (RANK and WORLD_SIZE set) it refuses: torchrun's agent
+    supervises its own workers."""
+    made = parser()
+    args = made.parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        made.error("RANK and WORLD_SIZE are set, as torchrun sets them for its workers: torchrun "
+                   "supervises its own ranks; run the script under torchrun without rpcrun")
+    script = Path(args.script)
+    if not script.is_file():
+        made.error(f"{args.script}: no such file")
+    given = script_flags(args.args)
+    defaults = declared_defaults(script)
+    master_port = integer(first(given, "master_port", defaults) or DEFAULT_MASTER_PORT)
+    port = args.port
+    if port is None and master_port is not None and 1 <= master_port <= 65535:
+        above = master_port > PORT_OFFSET
+        port = master_port - PORT_OFFSET if above else master_port + PORT_OFFSET
+    asks_for_help = "-h" in args.args or "--help" in args.args
+    return Command(
+        script=script,
+        argv=list(args.args),
+        world_size=integer(first(given, "world_size", defaults)),
+        rank=None if asks_for_help else integer(first(given, "rank", {})),
+        master_addr=first(given, "master_addr", defaults) or DEFAULT_MASTER_ADDR,
+        master_port=master_port,
+        profile=first(given, "profile", {}),
+        join_timeout=args.join_timeout,
+        lost_timeout=args.lost_timeout,
+        port=port,
+        flags={name: values for name, values in given.items() if name not in PER_RANK_FLAGS},
+    )
 
 
-def _stop_ranks():
-    """End every rank this command started: GRACE_SECONDS to end on their own (Ctrl-C reached
-    them too); then SIGCONT (a stopped rank acts on nothing else) and SIGTERM, GRACE_SECONDS
-    more, and SIGKILL."""
-    ranks = multiprocessing.active_children()
-    _join_all(ranks, GRACE_SECONDS)
-    for process in ranks:
-        if process.is_alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGCONT)
-                process.terminate()
-    _join_all(ranks, GRACE_SECONDS)
-    for process in ranks:
-        if process.is_alive():
-            process.kill()
-    _join_all(ranks, GRACE_SECONDS)
+def script_flags(argv):
+    """The script's arguments as {flag: (values...)}: `--flag value`, `--flag=value`,
+    `--flag v1 v2` (nargs) and a bare `--flag`; hyphens and underscores alike (`--world-size`
+    is world_size). Words before the first flag are under ""."""
+    flags = {}
+    name = ""
+    for word in argv:
+        if word.startswith("--") and len(word) > 2:
+            name, equals, value = word[2:].partition("=")
+            name = name.replace("-", "_")
+            flags[name] = (value,) if equals else ()
+        elif word.startswith("-") and len(word) > 1 and not is_number(word):
+            name = word  # a short flag, kept as written
+            flags[name] = ()
+        else:
+            flags[name] = flags.get(name, ()) + (word,)
+    return flags
 
 
-def _join_all(processes, seconds):
-    """Wait for every process to end, `seconds` at most in all."""
-    deadline = time.monotonic() + seconds
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
+def is_number(word):
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
 
 
-def signal_when_the_parent_dies(number, parent):
-    """Ask Linux for signal `number` when this process's parent, process `parent`, dies
-    (PR_SET_PDEATHSIG, as torch's mp.spawn asks for its ranks); if it is gone already, send it
-    now."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
+def first(given, name, defaults):
+    """A flag's value: the last one given (argparse keeps the last), else its default."""
+    if given.get(name):
+        return given[name][-1]
+    return defaults.get(name)
 
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None).prctl(pr_set_pdeathsig, number)
-    if os.getppid() != parent:  # it died before the request
-        os.kill(os.getpid(), number)
+
+def integer(value):
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def declared_defaults(script):
+    """The defaults of --world_size, --master_addr and --master_port that the script, or a
+    module beside it that it imports, declares as literals in an add_argument call (the script
+    first)."""
+    wanted = {"world_size", "master_addr", "master_port"}
+    found = {}
+    for tree in script_modules(script):
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "add_argument"):
+                continue
+            names = {arg.value[2:].replace("-", "_") for arg in node.args
+                     if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+                     and arg.value.startswith("--")}
+            default = next((keyword.value for keyword in node.keywords
+                            if keyword.arg == "default"), None)
+            if not isinstance(default, ast.Constant) or default.value is None:
+                continue
+            for name in names & wanted:
+                found.setdefault(name, str(default.value))
+    return found
+
+
+def script_modules(script):
+    """The parsed script, then the modules beside it that it imports by their plain names
+    (`from extras import ...`), and theirs in turn."""
+    todo, seen = [script], []
+    while todo:
+        path = todo.pop(0)
+        if path in seen:
+            continue
+        seen.append(path)
+        try:
+            tree = ast.parse(path.read_text())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        yield tree
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            todo += [script.parent / f"{name}.py" for name in names
+                     if (script.parent / f"{name}.py").is_file()]
+
+
+def is_loopback(addr):
+    """Whether addr names this machine's loopback (localhost, 127.0.0.1, ::1)."""
+    try:
+        resolved = socket.getaddrinfo(addr, None)[0][4][0]
+        return ipaddress.ip_address(resolved.split("%")[0]).is_loopback
+    except (OSError, ValueError, UnicodeError):
+        return False
+
+
+def loopback_interface():
+    """The name of this machine's loopback interface ("lo" on Linux, "lo0" elsewhere)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in names if name.startswith("lo")), "lo")
+
+
+def cores():
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def child_environment(command, environ=None):
+    """The child's environment: the supervisor's, with what rpcrun sets unless it is set already
+    (docs/rpcrun.md says why each): OMP_NUM_THREADS, the ranks' share of this machine's cores;
+    for a loopback --master_addr, TensorPipe, Gloo and NCCL on the loopback interface;
+    TORCH_CPP_LOG_LEVEL=ERROR; with --profile, KINETO_LOG_LEVEL=6; and PYTHONUNBUFFERED left out.
+    Returns (environment, the names it changed)."""
+    env = dict(os.environ if environ is None else environ)
+    wanted = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+    if command.ranks_here:
+        wanted["OMP_NUM_THREADS"] = str(max(1, cores() // command.ranks_here))
+    if command.local and is_loopback(command.master_addr):
+        interface = loopback_interface()
+        for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            wanted[name] = interface
+    if command.profile:
+        wanted["KINETO_LOG_LEVEL"] = "6"
+    set_here = []
+    for name, value in wanted.items():
+        if not env.get(name):
+            env[name] = value
+            set_here.append(name)
+    # Unbuffered, Python writes a line in pieces (print("a", 1): four writes), and two ranks'
+    # pieces run into one line; on the pty, line-buffered, each line is one write, at once.
+    if env.pop("PYTHONUNBUFFERED", None) is not None:
+        set_here.append("PYTHONUNBUFFERED")
+    return env, set_here
+
+
+def threads_line(command, env, set_here):
+    """The line that says, once, how many threads each rank computes with, or None."""
+    if "OMP_NUM_THREADS" not in set_here:
+        return None
+    ranks = command.ranks_here
+    each = "each rank" if command.rank is None else f"rank {command.rank}"
+    return (f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} for {each}: {ranks} ranks share "
+            f"{cores()} cores here (set OMP_NUM_THREADS to choose)")
+
+
+if __name__ == "__main__":  # for a look at what rpcrun reads: python -m rpc_harness.command ...
+    print(parse(sys.argv[1:]))

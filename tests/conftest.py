@@ -4,7 +4,6 @@ In-process access to an example's modules is in example_modules.py."""
 
 import contextlib
 import gzip
-import json
 import os
 import random
 import re
@@ -23,7 +22,7 @@ import pytest
 import torch.distributed.rpc as rpc
 from example_modules import load_example
 
-from rpc_harness.compat import profiler_options
+from rpc_harness.timeline import merge, read_traces
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -158,8 +157,9 @@ class Run:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir  # the folder of its output, and of what a test writes beside it
         stem = log_dir / f"run{len(list(log_dir.glob('*.out')))}"
-        # Its own temporary folder, where the command makes the folder of its ranks' records:
-        # a short path, as Monarch's processes put Unix sockets there (at most 108 bytes).
+        # Its own temporary folder, which every process of the run inherits (processes()
+        # finds them by it): a short path, as Monarch's processes put Unix sockets there (at
+        # most 108 bytes).
         self.tmpdir = Path(tempfile.mkdtemp(prefix="run-"))
         _FOLDERS_MADE.append(self.tmpdir)
         full_env["TMPDIR"] = str(self.tmpdir)
@@ -221,26 +221,33 @@ class Run:
         return [pid for pid in pids
                 if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
+    def processes(self):
+        """Every live process of this run, wherever it went (a session of its own, as the
+        command that rpcrun supervises; an orphan): each inherited the run's own TMPDIR."""
+        token = f"\0TMPDIR={self.tmpdir}\0".encode()
+        found = []
+        for pid in _processes(lambda stat: True):
+            with contextlib.suppress(OSError):
+                if token in b"\0" + Path(f"/proc/{pid}/environ").read_bytes():
+                    found.append(pid)
+        return found
+
     def leftovers(self, grace=10.0):
         """Processes of this run still alive after `grace` seconds (polled, not slept)."""
         deadline = time.monotonic() + grace
         while True:
-            alive = _processes(lambda stat: stat[2] == self.proc.pid)
+            alive = self.processes()
             if not alive or time.monotonic() > deadline:
                 return alive
             time.sleep(0.1)
 
-    def records_left(self):
-        """The folders of the ranks' records (rpc_harness-*) that the run left behind: a
-        command removes its own however it ends, or its ranks do when it was killed."""
-        return list(self.tmpdir.glob("rpc_harness-*"))
-
     def kill_session(self):
         """Kill whatever of the run is left, and remove its temporary folder."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in self.processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
@@ -278,14 +285,6 @@ def start_example(example, *args, env=None, log_dir=None, script="main.py"):
 
 # --------- The entry points, and their short runs --------------------
 
-# For runs that a fixture starts together: TCP between their ranks. TensorPipe's shared memory
-# (the default of some examples) keeps a thread per process polling without pause; with two or
-# three runs on 2 cores, that polling took a fifth of the quick tests' CPU time (340 -> 265 CPU
-# seconds with TCP). One run keeps an example's default (rpc_profiling's profiled run, the
-# shared memory between its two ranks); the others are TCP's, as the quick suite's.
-TCP = ("--rpc_transport", "tcp")
-
-
 @dataclass
 class Example:
     """An entry point, and the flags of its short and its endless runs."""
@@ -297,7 +296,6 @@ class Example:
     roles: dict  # rank -> worker name
     working: str  # a line that shows the run is under way
     script: str = "main.py"
-    transport: tuple = TCP  # pipelining.py has no RPC, nor --rpc_transport
 
 
 RUNS = {
@@ -326,16 +324,21 @@ RUNS = {
         {0: "trainer0", 1: "master", 2: "ps"}, r"^Training done for epoch",
         script="remote_module.py"),
     "pipeline_parallel": Example(
-        "pipeline_parallel", 3, ["--num_split", 2, "--num_batches", 2, "--batch_size", 4],
-        ["--num_split", 2, "--num_batches", 100000, "--batch_size", 4],
+        "pipeline_parallel", 3, ["--num_split", 2, "--batch_size", 4, "--num_batches", 2],
+        ["--num_split", 2, "--batch_size", 4, "--num_batches", 100000],
         {0: "master", 1: "worker1", 2: "worker2"}, r"^Processing batch 1$"),
     "pipeline_parallel/pipelining.py": Example(
-        "pipeline_parallel", 2, ["--num_split", 2, "--num_batches", 2, "--batch_size", 4,
-                                 "--schedule", "GPipe"],
-        ["--num_split", 2, "--num_batches", 100000, "--batch_size", 4, "--schedule", "GPipe"],
-        {0: "stage0", 1: "stage1"}, r"^GPipe, n_microbatches 2, batch 1:", "pipelining.py", ()),
+        "pipeline_parallel", 2, ["--num_split", 2, "--batch_size", 4, "--num_batches", 2],
+        ["--num_split", 2, "--batch_size", 4, "--num_batches", 100000],
+        {0: "stage0", 1: "stage1"}, r"^GPipe, n_microbatches 2, batch 1:", "pipelining.py"),
     "rpc_profiling": Example(
-        "rpc_profiling", 2, [], [], {0: "worker0", 1: "worker1"}, r"joined the other 1 rank"),
+        "rpc_profiling", 2, [], [], {0: "worker0", 1: "worker1"},
+        r"^DEBUG:root:worker\d+ successfully initialized RPC\."),
+    # cuda_rpc prints nothing while its timed passes run: its endless run shows only the
+    # command's first line (where the workers run), which comes before the workers start.
+    "cuda_rpc": Example(
+        "cuda_rpc", 2, ["--iterations", 1], ["--iterations", 100000], {0: "worker0", 1: "worker1"},
+        r"^(No CUDA here|One GPU here|\d+ GPUs here|--device_map): "),
 }
 
 
@@ -347,7 +350,6 @@ def finish_together(runs, timeout):
         for run in runs:
             run.wait(timeout)
             assert not run.leftovers(), f"processes left running after {' '.join(run.cmd)}"
-            assert not run.records_left(), f"records left after {' '.join(run.cmd)}"
     finally:
         for run in runs:
             run.kill_session()
@@ -364,11 +366,64 @@ def run_example(example, *args, timeout=120, env=None, log_dir=None, script="mai
         run = Run([sys.executable, script, *args], log_dir, env=env, cwd=folder)
     run.wait(timeout)
     alive = run.leftovers()
-    records = run.records_left()
     run.kill_session()
     assert not alive, f"processes left running after {example}: {alive}"
-    assert not records, f"records left after {example}: {records}"
     return run
+
+
+# --------- A folder copied alone --------------------
+
+# The packages a copied folder may import besides its own modules and the standard library:
+# requirements.txt's.
+THIRD_PARTY = {"torch", "torchvision", "gymnasium", "numpy", "monarch"}
+
+# A Python command that runs a script as `python SCRIPT ARGS...` does, except that this
+# project's package cannot be imported (the test's Python has it installed): a folder that
+# needed it stops at its first import, as it would in a user's own project. Run it from the
+# copied folder (cwd), which is then first on sys.path, as the script's folder is for `python
+# SCRIPT`. The ranks that mp.spawn and mp.Process start import the same modules as the script.
+ALONE = [sys.executable, "-c",
+         "import runpy, sys; sys.modules['rpc_harness'] = None; sys.argv = sys.argv[1:]; "
+         "runpy.run_path(sys.argv[0], run_name='__main__')"]
+
+
+def copy_example(example, destination):
+    """The example's folder copied alone to destination (its own modules, README and pictures;
+    no cache); returns the copy's path."""
+    shutil.copytree(ROOT / example, destination, ignore=shutil.ignore_patterns("__pycache__"))
+    return Path(destination)
+
+
+def outside_imports(folder):
+    """The imports of a folder's Python files that name neither a module of the folder, nor a
+    package of requirements.txt (THIRD_PARTY), nor the standard library: [(file, module)]."""
+    import ast
+
+    own = {path.stem for path in Path(folder).glob("*.py")}
+    found = []
+    for path in sorted(Path(folder).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""] if node.level == 0 else ["."]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                if top in own or top in THIRD_PARTY or top in sys.stdlib_module_names:
+                    continue
+                found.append((path.name, module))
+    return found
+
+
+# --------- Runs under the supervisor --------------------
+
+def supervised_command(example, *args, script="main.py", rpcrun=()):
+    """`python -m rpc_harness [RPCRUN FLAGS] <example>/<script> ARGS...`: the example's command
+    with the supervisor in front (run it from ROOT, where `-m` finds the package)."""
+    return [sys.executable, "-m", "rpc_harness", *map(str, rpcrun), str(ROOT / example / script),
+            *map(str, args)]
 
 
 # --------- Runs that a fault ends (test_failures*.py) --------------------
@@ -380,11 +435,11 @@ EXIT_BOUND_SECONDS = 20
 
 
 def start_run(runs, key, *flags, rank=None, endless=False, **kwargs):
-    """A run of an example, over TCP: TensorPipe's shared memory keeps a thread of every process
-    polling, which on 2 cores starved even this process's reads of /proc for seconds."""
+    """A run of an example with its short (or endless) flags, in the smallest world that has
+    every role; `rank`: that rank alone."""
     config = RUNS[key]
     return runs.start(config.name, *(config.endless if endless else config.quick),
-                      *config.transport, "--world_size", config.world_size, *flags,
+                      "--world_size", config.world_size, *flags,
                       *(() if rank is None else ("--rank", rank)), script=config.script, **kwargs)
 
 
@@ -404,32 +459,43 @@ def signal_again_and_again(run, number, times, group=True):
 # --------- --profile's timeline --------------------
 
 def check_timeline(runs, folder, ranks, callee, operators):
-    """A run with --profile FOLDER (its commands: one, or one per rank): every rank's trace,
-    and a timeline that opens as JSON with a track per rank (`ranks`, in rank order) whose
-    loops' step spans bound a window, inside which the rank `callee` ran one of `operators` (the
-    work the tutorial says runs there), where this torch records RPC's threads; where it does
-    not, the run says so. Returns the timeline's events."""
+    """A run with --profile FOLDER (its commands: one, or one per rank), each rank profiled by
+    the example's own lines of torch.profiler: every rank's trace, written whole and named in
+    its output, which merged (rpcrun's timeline, rpc_harness.timeline) make a track per rank
+    (`ranks`, in rank order) whose loops' step spans bound a window, inside which the rank
+    `callee` ran one of `operators` (the work the tutorial says runs there), where this torch
+    records RPC's threads. Returns the merged timeline's events."""
     for run in runs:
         assert run.returncode == 0, run.output
     stdout = "".join(run.stdout for run in runs)
     for name in ranks:
         assert re.search(rf"^{name}: profiled, wrote .*{name}\.json \(\d+ kB\)", stdout,
                          re.M), stdout
-    assert re.search(rf"wrote the timeline of {len(ranks)} ranks to .*timeline\.json \(\d+ kB\)"
-                     r": open it in https://ui\.perfetto\.dev", stdout), stdout
-    events = json.loads((folder / "timeline.json").read_text())["traceEvents"]
+    traces = read_traces(folder)
+    assert list(traces) == list(ranks), f"traces in {folder}: {list(traces)}"
+    events = merge(traces)["traceEvents"]
     tracks = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    assert [tracks[pid] for pid in sorted(tracks)] == list(ranks)
     steps = [e for e in events if e.get("ph") == "X" and e["name"].startswith("ProfilerStep#")]
     assert steps, "no step spans of the looping ranks"
     start, end = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
-    if not profiler_options()[1]:
-        assert "records only the thread that started the profiler" in stdout
+    if not records_every_thread():
         return events
     work = {e["name"] for e in events if e.get("ph") == "X" and tracks.get(e["pid"]) == callee
             and start <= e["ts"] <= end}
     assert work & set(operators), f"none of {operators} on {callee} in the window: {work}"
     return events
+
+
+def records_every_thread():
+    """Whether this torch's profiler records every thread (2.4 records only the one that
+    started it, and so none of RPC's threads: pytorch/pytorch#143659)."""
+    import torch
+
+    try:
+        torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        return False
+    return True
 
 
 # --------- An RPC world of this test process alone --------------------

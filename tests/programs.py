@@ -1,7 +1,8 @@
 """The programs as the pages show them, for tests/test_docs.py: each program's own parser, taken
-from a run of its `--help` in this process; the code that a program runs (its script, the
-modules beside it that it imports, and rpc_harness); the names of the flags that this code
-reads; the lines that it can print, as patterns; and the commands that a Markdown page shows."""
+from a run of its `--help` in this process; the code that a program runs (its script and the
+modules beside it that it imports); the names of the flags that this code reads; the lines that
+it can print, as patterns (and rpcrun's, where rpcrun runs it); and the commands that a Markdown
+page shows (`python SCRIPT ...`, `torchrun ... SCRIPT ...`, `rpcrun ... SCRIPT ...`)."""
 
 import argparse
 import ast
@@ -22,7 +23,7 @@ from pathlib import Path
 from example_modules import example_modules
 
 ROOT = Path(__file__).resolve().parent.parent
-HARNESS = sorted((ROOT / "rpc_harness").glob("*.py"))
+SUPERVISOR = tuple(sorted((ROOT / "rpc_harness").glob("*.py")))
 
 
 # --------- A program's parser, through its --help --------------------
@@ -100,6 +101,15 @@ def parsed(script):
 
 
 @functools.cache
+def rpcrun():
+    """rpcrun's own parser (its flags before the script)."""
+    from rpc_harness.command import parser
+
+    made = parser()
+    return Parsed(made, made.format_help())
+
+
+@functools.cache
 def torchrun():
     """torchrun's own parser (torch.distributed.run, which the torchrun command runs)."""
     from torch.distributed.run import get_args_parser
@@ -112,9 +122,9 @@ def torchrun():
 
 @functools.cache
 def sources(script):
-    """The files of Python that a program runs from this repository: the script, the modules
+    """The files of Python that a program runs from its folder: the script and the modules
     beside it that it imports (by their plain names, as `from main import Net`), theirs in
-    turn, and rpc_harness."""
+    turn."""
     found, todo = [], [ROOT / script]
     while todo:
         path = todo.pop()
@@ -130,7 +140,7 @@ def sources(script):
                 continue
             todo += [path.parent / f"{name}.py" for name in names
                      if (path.parent / f"{name}.py").exists()]
-    return tuple(found + [path for path in HARNESS if path not in found])
+    return tuple(found)
 
 
 def _imported_names(tree):
@@ -256,6 +266,7 @@ class Command:
     script: str | None  # the program, from the repository's root (None: not found)
     argv: list
     torchrun_argv: list  # torchrun's own flags, before the program
+    rpcrun_argv: list | None = None  # rpcrun's own flags, before the program; None: no rpcrun
 
 
 def code_on_page(text):
@@ -287,7 +298,17 @@ def commands(page, pieces):
                     ".", "").replace("-", "").isalnum():
                 continue
             launcher, argv = words[:at], words[at + 1:]
-            if launcher and not re.fullmatch(r"(?:\S*/)?(?:python3?|torchrun)", launcher[0]):
+            if launcher and not re.fullmatch(r"(?:\S*/)?(?:python3?|torchrun|rpcrun)",
+                                             launcher[0]):
+                continue
+            supervised = None
+            if launcher and launcher[0].endswith("rpcrun"):
+                supervised = launcher[1:]
+            elif launcher[1:3] == ["-m", "rpc_harness"]:
+                supervised = launcher[3:]
+            elif launcher[1:3] == ["-m", "torch.distributed.run"]:
+                launcher = ["torchrun", *launcher[3:]]
+            elif launcher[1:2] == ["-m"]:  # another module's command
                 continue
             if not launcher and not argv:  # a file's name (`main.py`), not a command
                 continue
@@ -298,15 +319,13 @@ def commands(page, pieces):
                     break
             is_torchrun = bool(launcher) and launcher[0].endswith("torchrun")
             found.append(Command(page, part.strip(), script, argv,
-                                 launcher[1:] if is_torchrun else []))
+                                 launcher[1:] if is_torchrun else [], supervised))
     return found
 
 
 def uses_monarch(script):
-    """Whether the program's own code (not rpc_harness's) imports Monarch."""
+    """Whether the program's own code imports Monarch."""
     for path in sources(script):
-        if path in HARNESS:
-            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("monarch"):
                 return True

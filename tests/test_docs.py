@@ -25,7 +25,7 @@ MARKDOWN = [ROOT / name for name in subprocess.run(
 PAGES = [path for path in MARKDOWN
          if path.name == "README.md" or path.parent.name == "docs" or path.name == "ACTORS.md"]
 EXAMPLES = ["param_server", "rl_cartpole", "rnn_model_parallel", "ddp_rpc_hybrid",
-            "pipeline_parallel", "rpc_profiling"]
+            "pipeline_parallel", "rpc_profiling", "cuda_rpc"]
 
 
 def prose(text):
@@ -110,7 +110,7 @@ def program(script):
 
 @pytest.mark.parametrize("script", PROGRAMS)
 def test_every_flag_of_a_program_is_read(script):
-    """A flag whose value nothing reads (not the program, nor rpc_harness) does nothing."""
+    """A flag whose value nothing reads (nothing of the program's folder) does nothing."""
     unread = program(script).dests - programs.reads(programs.sources(script))
     assert not unread, f"{script}: nothing reads the value of {sorted(unread)}"
 
@@ -141,6 +141,9 @@ def test_every_command_on_a_page_parses(path):
         if command.torchrun_argv:
             error = programs.torchrun().error([*command.torchrun_argv, command.script])
             assert error is None, f"`{command.text}`: {error}"
+        if command.rpcrun_argv:
+            error = programs.rpcrun().error([*command.rpcrun_argv, command.script])
+            assert error is None, f"`{command.text}`: {error}"
 
 
 # The pages whose flags in inline code (`--max_batches`) name the programs of today. bench/'s
@@ -160,7 +163,7 @@ def page_programs(path):
     scripts += [script for script in sorted(named)
                 if script in programs.entry_points(str(Path(script).parent))
                 and not script.startswith(("rpc_harness/", "tests/"))]
-    found = [programs.torchrun()]
+    found = [programs.torchrun(), programs.rpcrun()]
     for script in dict.fromkeys(scripts):
         if programs.uses_monarch(script):
             try:
@@ -300,7 +303,10 @@ def test_every_sample_output_is_what_its_program_prints_now(path, match):
     for command in commands:
         error = program(command.script).error(command.argv)
         assert error is None, f"`{command.text}`: {error}"
-    patterns = programs.line_patterns(programs.sources(commands[0].script))
+    files = programs.sources(commands[0].script)
+    if commands[0].rpcrun_argv is not None:  # rpcrun's own lines too
+        files += programs.SUPERVISOR
+    patterns = programs.line_patterns(files)
     for line in own_lines(sample_lines(match.group("body"))):
         logged = programs.LOG_PREFIX.match(line)
         message = line[logged.end():] if logged else line

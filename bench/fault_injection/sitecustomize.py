@@ -1,14 +1,18 @@
 """bench/faults.py's "a rank whose own code raises": Python imports this module as it starts
-(this folder is on PYTHONPATH in that cell only), in every process of the run: the commands, the
-ranks, torchrun's agent, Monarch's processes. FAULTS_RAISE says where the error goes:
+(this folder is on PYTHONPATH in that cell only), in every process of the run: rpcrun, the
+commands, the ranks, torchrun's agent, Monarch's processes. FAULTS_RAISE says where the error
+goes:
 
-    rank <function> <rank> <call>   the rank's <call>-th call of rpc_harness.<function> raises
-    actor <function> <call>         the first of Monarch's processes (not the controller) to
-                                    make its <call>-th call of monarch_runs.<function> raises;
-                                    <module>:<function> names another module's
+    rank <module>:<function> <rank> <call>   in the process of rank <rank> (as torch knows it:
+                                             its RPC worker's id, or its rank in the default
+                                             process group), the <call>-th call of the
+                                             function raises (`torch.optim:Adam.step`)
+    actor <module>:<function> <call>         the first of Monarch's processes (not the
+                                             controller) to make its <call>-th call raises
 
-The error is the example's own, as far as the harness can tell: raised in the rank's code, where
-it calls the harness. FAULTS_RAISED is the file where the process that raises writes the time."""
+The function is one that the example's code calls at each step, so that the error comes out of
+the rank's own code, as its traceback shows. FAULTS_RAISED is the file where the process that
+raises writes the time."""
 
 import importlib.abc
 import importlib.machinery
@@ -29,20 +33,10 @@ def _raise():
     raise RuntimeError("an error injected by bench/faults.py")
 
 
-def _in_rank(name, victim, calls):
-    import rpc_harness
-
-    original = getattr(rpc_harness, name)
-    made = [0]
-
-    def injected(*args, **kwargs):
-        if _this_rank() == victim:
-            made[0] += 1
-            if made[0] == calls:
-                _raise()
-        return original(*args, **kwargs)
-
-    setattr(rpc_harness, name, injected)
+def _in_rank(where, victim, calls):
+    module_name, _, path = where.rpartition(":")
+    _after_import(module_name, lambda module: _patch(
+        module, path, calls, lambda: _this_rank() == victim))
 
 
 def _this_rank():
@@ -59,23 +53,27 @@ def _this_rank():
 
 
 def _in_actor(where, calls):
-    # Patched once the program imports monarch_runs, not sooner: importing it here would put
+    # Patched once the program imports the module, not sooner: importing it here would put
     # torch's import into the start of every Monarch process, which Monarch gives 30 s to be
     # ready; beside another cell on 2 cores, one run's processes took longer.
     os.environ.setdefault("FAULTS_CONTROLLER", str(os.getpid()))  # the first: the command
     module_name, _, path = where.rpartition(":")
-    _after_import(module_name or "rpc_harness.monarch_runs", lambda module: _patch_actor(
-        module, path, calls))
+    _after_import(module_name, lambda module: _patch(
+        module, path, calls, lambda: os.environ["FAULTS_CONTROLLER"] != str(os.getpid())))
 
 
-def _patch_actor(module, path, calls):
-    owner_name, _, name = path.rpartition(".")
-    owner = getattr(module, owner_name) if owner_name else module
+def _patch(module, path, calls, here):
+    """Make the <calls>-th call of module.<path> raise in the first process where here() is
+    true that gets there."""
+    owner = module
+    *owners, name = path.split(".")
+    for part in owners:
+        owner = getattr(owner, part)
     original = getattr(owner, name)
     made = [0]
 
     def injected(*args, **kwargs):
-        if os.environ["FAULTS_CONTROLLER"] != str(os.getpid()):
+        if here():
             made[0] += 1
             if made[0] == calls:
                 try:  # the first of the processes to get here, only
