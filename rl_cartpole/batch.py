@@ -1,5 +1,6 @@
 """The RL half of the tutorial "Implementing Batch RPC Processing Using Asynchronous Executions",
-runnable, built on the classes of main.py.
+runnable, in the order of the pytorch/examples script distributed/rpc/batch/reinforce.py, with
+main.py's policy, observers, training and command line.
 
 The tutorial's agent runs one forward pass of the policy per observer and step, and each step
 costs two RPCs. Here the agent waits until every observer still playing has sent its state, and
@@ -7,31 +8,42 @@ answers them all with one forward pass: `select_action_batch` is an
 `@rpc.functions.async_execution` function that returns a future of the action at once, which
 the RPC framework completes (and answers) when the batch's forward pass is done, freeing its
 thread meanwhile. The observer makes one RPC a step, and returns its rewards at the end. The
-training is the tutorial's, so that the two can be compared. README.md says more.
+training is main.py's, so that the two can be compared. README.md says more.
 
 Built from the page's section "Batch-Processing CartPole Solver" (README.md names the
-revision), on main.py's classes. Few of its lines are the page's: each block that is not ends
-with, or starts with, a "# ours:" comment that says how and why it differs.
+revision). Each line that is not the page's ends with "# ours:" and why, or a block of ours has
+the mark above it.
 
     python batch.py --world_size 5                  # an agent and 4 observers
+    python batch.py --world_size 3 --rank 1         # one rank per terminal
 """
 
 import functools  # ours: run_episode's callbacks
 import os
-import sys  # ours: the command's exit status
+import sys  # ours: the status of a command that runs one rank
 import threading
+import time
+from itertools import count  # ours: main.py's loop
 
+import gymnasium as gym  # ours: main.py's environment, for its threshold
 import numpy as np  # ours: the states, stacked
 import torch
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
-from torch.distributed.rpc import rpc_async, rpc_sync  # ours: main.py's way of calling
+import torch.optim as optim
+from torch.distributed.rpc import RRef, remote, rpc_async, rpc_sync  # ours: sorted (ruff)
 from torch.distributions import Categorical
 
-import rpc_harness  # ours: this project's package: `make run` installs it (or `pip install -e .`)
-
-from extras import discounted_returns  # ours: main.py's returns
-from main import Agent, Observer, _call_method, parse_args, run_worker  # ours: main.py's parts
+import extras  # ours: this project's flags and checks, --profile and the summary
+from main import (  # ours: main.py's names, policy, observer, helper and command line
+    AGENT_NAME,
+    OBSERVER_NAME,
+    TOTAL_EPISODE_STEP,
+    Observer,
+    Policy,
+    _call_method,
+    parser,
+)
 
 
 # ours: the device in one place, as in every example (the page's agent calls .cuda())
@@ -46,7 +58,6 @@ def choose_device(gpu_count):
 # itself, and returns them with the first episode's length; this one plays one episode, as
 # main.py's, and returns its rewards, which the agent discounts as main.py's does.
 class BatchObserver(Observer):
-
     def run_episode(self, agent_rref, n_steps):
         # ours: main.py's episode: Gymnasium's reset, seeded the first time, and the rewards in
         # a list (the page: a tensor of n_steps rewards, discounted here, and a reset mid-run)
@@ -54,9 +65,9 @@ class BatchObserver(Observer):
         rewards = []
         self.seed = None
         for _ in range(n_steps):
-            # ours: one RPC a step. The batch tutorial sends agent_rref along with every call;
-            # an RRef sent to its owner costs both sides extra work (about a quarter of a step's
-            # CPU time here), and the agent's worker is enough to find it.
+            # One RPC a step. The page sends agent_rref along with every call; an RRef sent to
+            # its owner costs both sides extra work (about a quarter of a step's CPU time
+            # here), and the agent's worker is enough to find it.
             action = rpc_sync(agent_rref.owner(), BatchAgent.select_action_batch,
                               args=(self.id, state))
             state, reward, terminated, truncated, _ = self.env.step(action)
@@ -80,40 +91,59 @@ def log_probs_by_observer(saved_batches):
 
 # ours: this process's agent (rank 0's), for select_action_batch, which therefore needs no
 # agent_rref (BatchObserver says why)
-local_agent = None  # ours: (above)
+local_agent = None
 
 
-# ours: main.py's Agent, with the page's batched actions. The page's Agent takes a `batch` flag,
-# keeps every observer's state in a fixed tensor and waits for all of them each step; this one
-# keeps the states of the observers still playing, in a dict, and its update is main.py's.
-class BatchAgent(Agent):
-    def __init__(self, world_size, args):
+class BatchAgent:  # ours: the page's Agent, named for what it adds
+    def __init__(self, world_size, args):  # ours: main.py's flags (the page: batch=True)
+        # ours: this process's agent, which select_action_batch answers for
         global local_agent
         local_agent = self
-        self.device = choose_device(torch.cuda.device_count())
-        super().__init__(world_size, args, observer_class=BatchObserver, device=self.device)
-        print(f"Agent: batched actions for {world_size - 1} observer(s), "
-              f"policy on {self.device}")
-        # The states waiting for the next forward pass, by observer id; the future that the
-        # next forward pass completes with every observer's action; how many observers are still
-        # playing (the others will send no more states); and, as in the batch tutorial, one
-        # entry per forward pass: its observer ids and their log-probabilities.
-        self.lock = threading.Lock()
-        self.states = {}  # ours: by observer id (the page: a tensor with a row for each)
-        self.future_actions = torch.futures.Future()
-        # ours: the observers still playing, not the page's pending_states; and no `batch` flag
-        # (the page: `[] if batch else {...}`), as this agent always batches
-        self.playing = 0
+        self.ob_rrefs = []
+        self.agent_rref = RRef(self)
+        self.rewards = {}
+        self.device = choose_device(torch.cuda.device_count())  # ours: the page: .cuda()
+        self.policy = Policy().to(self.device)  # ours: main.py's Policy, on that device
+        self.optimizer = optim.Adam(self.policy.parameters(), lr=1e-2)
+        self.running_reward = 0
+        # ours: main.py's agent's: its update's epsilon, its "Solved!" threshold, its discount
+        # factor, the summary's count of environment steps
+        self.eps = np.finfo(np.float32).eps.item()
+        self.reward_threshold = gym.make('CartPole-v1').spec.reward_threshold
+        self.gamma = args.gamma
+        self.env_steps = 0
+
+        for ob_rank in range(1, world_size):
+            ob_info = rpc.get_worker_info(OBSERVER_NAME.format(ob_rank))
+            self.ob_rrefs.append(remote(ob_info, BatchObserver, args=(args.seed,)))  # ours
+            self.rewards[ob_info.id] = []
+
+        # ours: the states waiting for the next forward pass, by observer id (the page: a
+        # tensor with a row for each); as the page's, one entry per forward pass, here its
+        # observer ids with their log-probabilities; and no `batch` flag, as this agent always
+        # batches
+        self.states = {}
         self.saved_log_probs = []
+        self.future_actions = torch.futures.Future()
+        self.lock = threading.Lock()
+        self.playing = 0  # ours: the observers still playing (the page: pending_states)
+        print(f"Agent: batched actions for {world_size - 1} observer(s), "  # ours: the device
+              f"policy on {self.device}")
 
     @staticmethod
     @rpc.functions.async_execution
-    def select_action_batch(ob_id, state):  # ours: no agent_rref (above)
-        self = local_agent  # ours: (above)
+    def select_action_batch(ob_id, state):  # ours: no agent_rref (BatchObserver says why)
+        r"""
+        Batching select_action: In each step, the agent waits for states from
+        all observers, and process them together. This helps to reduce the
+        number of CUDA kernels launched and hence speed up amortized inference
+        speed.
+        """
+        self = local_agent  # ours: the page: agent_rref.local_value()
         with self.lock:
-            # ours: the state kept by id, under the lock; the action by id, as given; the forward
-            # pass in _act_if_all_states_are_in, which _observer_finished calls too (the page:
-            # copy_ into its row, .item(), and the pass here)
+            # ours: the state kept by id, under the lock; the action by id, as given; the
+            # forward pass in _act_if_all_states_are_in, which _observer_finished calls too (the
+            # page: copy_ into its row, .item(), and the pass here)
             self.states[ob_id] = state
             future_action = self.future_actions.then(lambda future: future.wait()[ob_id])
             self._act_if_all_states_are_in()
@@ -154,8 +184,7 @@ class BatchAgent(Agent):
         futs = []
         for ob_rref in self.ob_rrefs:
             # ours: main.py's call, with a callback that takes each observer's rewards as its
-            # episode ends (the page: ob_rref.rpc_async().run_episode, and the results of
-            # wait_all)
+            # episode ends (the page: ob_rref.rpc_async().run_episode, and wait_all's results)
             fut = rpc_async(ob_rref.owner(), _call_method,
                             args=(BatchObserver.run_episode, ob_rref, self.agent_rref, n_steps))
             futs.append(fut.then(functools.partial(self._observer_finished, ob_rref.owner().id)))
@@ -168,53 +197,78 @@ class BatchAgent(Agent):
         rewards = list(self.rewards.values())
         min_reward = min(sum(ob_rewards) for ob_rewards in rewards)
         self.running_reward = 0.05 * min_reward + (1 - 0.05) * self.running_reward
-        returns = discounted_returns(rewards, self.gamma, self.eps).to(self.device)
+        returns = extras.discounted_returns(rewards, self.gamma, self.eps).to(self.device)
         self.env_steps += len(returns)
         policy_loss = (-log_probs_by_observer(self.saved_log_probs) * returns).sum()
         self.saved_log_probs = []
         self.optimizer.zero_grad()
         policy_loss.backward()  # ours: main.py's (the page: policy_loss.sum().backward())
         self.optimizer.step()
-        return min_reward  # ours: main.py's (the page: the mean reward and the running reward)
+        return min_reward  # ours: main.py's (the page: the mean and running reward)
 
 
-# --------- ours: the __main__, with main.py's command line (parse_args) ------------
+def run_worker(rank, world_size, args):  # ours: main.py's flags (the page: n_episode, batch)
+    r"""
+    This is the entry point for all processes. The rank 0 is the agent. All
+    other ranks are observers.
+    """
+    torch.manual_seed(args.seed)  # ours: the script's seed, in each rank, so that a run repeats
+    os.environ['MASTER_ADDR'] = args.master_addr  # ours: --master_addr, not 'localhost'
+    os.environ['MASTER_PORT'] = args.master_port  # ours: --master_port, not '29500'
+    if rank == 0:
+        # rank0 is the agent
+        rpc.init_rpc(AGENT_NAME, rank=rank, world_size=world_size)
+        profiler = extras.profile(args, loops=True)  # ours: --profile DIR; nothing without it
 
-# ours: main.py's command line and launcher (the page's main() spawns worlds of 2 to 11 ranks,
-# each with both agents, and times them: bench/ compares the two agents)
-if __name__ == "__main__":
-    args = parse_args()
-    # The batch tutorial's run_worker sets these at its top, 'localhost' and '29500'. main.py's
-    # run_worker, which the ranks run, sets them from the flags in each rank; here they are set
-    # for this command too, as the parameter-server tutorial sets them, and the ranks inherit
-    # them.
-    os.environ['MASTER_ADDR'] = args.master_addr
-    os.environ['MASTER_PORT'] = str(args.master_port)
-    # When a rank fails or is killed, or on Ctrl-C or SIGTERM, this command stops the ranks it
-    # started and says why in one line.
-    rpc_harness.supervise(args)
-    # spawn, as mp.spawn starts its ranks: the rank that --rank names starts in a fresh
-    # interpreter too, not in a fork of this one (Linux's default).
-    mp.set_start_method("spawn")
+        agent = BatchAgent(world_size, args)  # ours: main.py's flags
+        # ours: main.py's loop (the page: --num-episode episodes of 500 steps, each logged):
+        # episodes until solved, --profile's step, and the summary's figures
+        started = time.perf_counter()
+        for i_episode in count(1):
+            agent.run_episode(n_steps=int(TOTAL_EPISODE_STEP / (world_size - 1)))
+            last_reward = agent.finish_episode()
+            profiler.step()
 
-    processes = []
-    if args.rank is None:
-        # The page's mp.spawn, once, with this --world_size and the batching agent.
-        mp.spawn(
-            run_worker,
-            args=(args.world_size, args, BatchAgent),
-            nprocs=args.world_size,
-            join=True
-        )
+            if i_episode % args.log_interval == 0:  # ours: main.py's (the page: print_log)
+                print('Episode {}\tLast reward: {:.2f}\tAverage reward: {:.2f}'.format(
+                    i_episode, last_reward, agent.running_reward))  # ours: main.py's figures
+
+            # ours: main.py's end: solved, or --max_episodes played
+            if agent.running_reward > agent.reward_threshold:
+                print("Solved! Running reward is now {}!".format(agent.running_reward))
+                break
+            if i_episode == args.max_episodes:
+                print(f"Stopped after {i_episode} episodes (--max_episodes), unsolved")
+                break
+        # ours: the run's figures, for the summary (extras.py)
+        extras.figures(agent, i_episode, last_reward, time.perf_counter() - started)
     else:
-        # The one rank that --rank (or torchrun) names, in a process of its own, as the
-        # parameter-server tutorial starts its ranks.
-        p = mp.Process(target=run_worker, args=(args.rank, args.world_size, args, BatchAgent))
-        p.start()
-        processes.append(p)
+        # other ranks are the observer
+        rpc.init_rpc(OBSERVER_NAME.format(rank), rank=rank, world_size=world_size)
+        profiler = extras.profile(args, loops=False)  # ours: --profile DIR; nothing without it
+        # observers passively waiting for instructions from agents
+    rpc.shutdown()
+    extras.finish(args, profiler)  # ours: --profile's trace; the agent's summary, last
 
-        for p in processes:
-            p.join()
-        # The rank's exit status is the command's; rpc_harness.exit_status says, in one line,
-        # when a signal killed the rank (which then could not say it).
-        sys.exit(rpc_harness.exit_status(p))
+
+def main():
+    # ours: main.py's launch (the page's main() spawns worlds of 2 to 11 ranks, each with and
+    # without batching, and times them: bench/ compares the two agents): one rank (--rank, or
+    # torchrun's) in a process of its own, its status the command's; or every rank
+    if args.rank is not None:
+        p = mp.Process(target=run_worker, args=(args.rank, args.world_size, args))
+        p.start()
+        p.join()
+        sys.exit(p.exitcode if p.exitcode >= 0 else 128 - p.exitcode)
+    mp.spawn(
+        run_worker,
+        args=(args.world_size, args),  # ours: main.py's flags
+        nprocs=args.world_size,  # ours: --world_size (the page: each of its worlds)
+        join=True
+    )
+
+
+if __name__ == '__main__':
+    args = parser.parse_args()  # ours: main.py's command line, parsed here, once
+    extras.check_args(parser, args)  # ours: what argparse cannot check; torchrun's rank
+    main()

@@ -1,6 +1,7 @@
 import json
 import math
 import re
+import socket
 from types import SimpleNamespace
 
 import gymnasium as gym
@@ -9,18 +10,23 @@ import pytest
 import torch
 import torch.distributed.rpc as rpc
 from conftest import (
-    TCP,
+    ALONE,
+    ROOT,
+    Run,
     check_timeline,
+    copy_example,
     find_free_port,
     load_actors,
     load_example,
     needs_monarch,
+    outside_imports,
     run_example,
 )
 from example_modules import example_modules
 from torch.distributions import Categorical
 
 rl = load_example("rl_cartpole")
+rl_extras = load_example("rl_cartpole", "extras")
 rl_batch = load_example("rl_cartpole", "batch")
 
 
@@ -29,7 +35,7 @@ rl_batch = load_example("rl_cartpole", "batch")
 def test_returns_are_discounted_then_normalised():
     # gamma 0.5, three rewards of 1: R = 1 + 0.5 * (1 + 0.5 * 1) = 1.75, then 1.5, then 1.
     # Mean 17/12, sample deviation sqrt(7/48): normalised (1/3, 1/12, -5/12) / sqrt(7/48).
-    returns = rl.discounted_returns([[1.0, 1.0, 1.0]], gamma=0.5, eps=0.0)
+    returns = rl_extras.discounted_returns([[1.0, 1.0, 1.0]], gamma=0.5, eps=0.0)
     deviation = math.sqrt(7 / 48)
     expected = [(1 / 3) / deviation, (1 / 12) / deviation, (-5 / 12) / deviation]
     assert returns.tolist() == pytest.approx(expected, abs=1e-6)
@@ -39,13 +45,13 @@ def test_returns_are_discounted_then_normalised():
 def test_returns_stop_at_the_end_of_each_observers_episode():
     # Two observers, episodes of 2 and 1 steps: returns (1.5, 1) and (1). The tutorial joined the
     # lists first, so the first observer's returns ran on into the second's: (1.75, 1.5, 1).
-    returns = rl.discounted_returns([[1.0, 1.0], [1.0]], gamma=0.5, eps=0.0)
+    returns = rl_extras.discounted_returns([[1.0, 1.0], [1.0]], gamma=0.5, eps=0.0)
     raw = torch.tensor([1.5, 1.0, 1.0])
     assert torch.allclose(returns, (raw - raw.mean()) / raw.std())
 
 
 def test_returns_undiscounted_count_the_steps_left():
-    returns = rl.discounted_returns([[1.0] * 4], gamma=1.0, eps=0.0)
+    returns = rl_extras.discounted_returns([[1.0] * 4], gamma=1.0, eps=0.0)
     raw = torch.tensor([4.0, 3.0, 2.0, 1.0])
     assert torch.allclose(returns, (raw - raw.mean()) / raw.std())
 
@@ -85,6 +91,11 @@ def test_each_observer_seeds_its_environment_from_the_seed_and_its_rank(monkeypa
     assert not np.array_equal(first, play_one_episode(monkeypatch, 1, seed=8)[0])  # seed
     again = play_one_episode(monkeypatch, 1, seed=7, episodes=2)
     assert not np.array_equal(again[0], again[1])  # later episodes are not replays
+
+
+def test_the_folder_imports_nothing_from_outside_it():
+    """The brief's static check: a folder copied alone needs only torch and its friends."""
+    assert outside_imports(ROOT / "rl_cartpole") == []
 
 
 # --------- The batching agent, in-process over a one-worker RPC world --------------------
@@ -162,7 +173,8 @@ def test_the_batched_update_is_the_tutorials_update(rl_world):
     """The batched agent keeps one tensor per forward pass and puts its rows in order at the end
     of the episode; its update must be the one the tutorial's agent makes from per-observer
     lists of the same log-probabilities. Three observers whose episodes end after 2, 1 and 3
-    steps. The batched agent's policy is on the GPU where there is one."""
+    steps. Both start from the same policy, as the seed makes it in each program. The batched
+    agent's policy is on the GPU where there is one."""
     passes = [[1, 2, 3], [1, 3], [3]]  # the observers each forward pass acts for
     rewards = {1: [1.0, 1.0], 2: [1.0], 3: [1.0, 1.0, 1.0]}
     torch.manual_seed(3)
@@ -196,11 +208,52 @@ def test_the_batched_update_is_the_tutorials_update(rl_world):
     assert not torch.allclose(rl.Policy().affine1.weight, agents[False].policy.affine1.weight)
 
 
+# --------- The summary, in-process --------------------
+
+def test_the_summary_is_the_agents_last_line_and_its_file(rl_world, monkeypatch, capsys,
+                                                          tmp_path):
+    """The agent's figures at the end of its loop (here without observers to ask for their
+    memory), then after rpc.shutdown() the summary line and --summary_json; a file that cannot
+    be written then: the line first, then one line that says so, status 1."""
+    monkeypatch.setattr(rl_extras, "FIGURES", {})
+    agent = SimpleNamespace(ob_rrefs=[], running_reward=25.5, reward_threshold=475.0,
+                            env_steps=750, gamma=0.99)
+    rl_extras.figures(agent, episodes=20, last_reward=47.0, seconds=2.5)
+    args = SimpleNamespace(seed=1, started=0.0, summary_json=str(tmp_path / "summary.json"))
+    rl_extras.finish(args, rl_extras.NotProfiling())
+    out = capsys.readouterr().out
+    assert re.fullmatch(r"Summary: 20 episodes, not solved, running reward 25\.50, 750 "
+                        r"environment steps at 300\.0 steps/s; \d+\.\d s in all\n", out), out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert {key: summary[key] for key in ("mode", "episodes", "last_reward", "env_steps",
+                                          "solved", "observers", "seed", "gamma")} == {
+        "mode": "tutorial", "episodes": 20, "last_reward": 47.0, "env_steps": 750,
+        "solved": False, "observers": 0, "seed": 1, "gamma": 0.99}
+    assert summary["steps_per_second"] == 300.0 and summary["training_seconds"] == 2.5
+    assert set(summary["peak_memory_mb"]) == {rl_world} and summary["wall_seconds"] > 0
+
+    args.summary_json = str(tmp_path / "gone" / "summary.json")
+    with pytest.raises(SystemExit) as exited:
+        rl_extras.finish(args, rl_extras.NotProfiling())
+    assert capsys.readouterr().out.startswith("Summary: 20 episodes")
+    assert f"--summary_json {args.summary_json}: not written" in str(exited.value.code)
+    assert "\n" not in str(exited.value.code)  # sys.exit(message): one line, status 1
+
+
 # --------- Command line, in-process --------------------
 
+def parse(argv):
+    """What main.py's __main__ does before it starts any rank: parse, then check."""
+    args = rl.parser.parse_args([str(word) for word in argv])
+    rl_extras.check_args(rl.parser, args)
+    return args
+
+
 def bad_input_message(capsys, argv):
+    if not any(str(word).startswith("--master") for word in argv):
+        argv = [*argv, "--master_port", find_free_port()]  # not the default, which may be in use
     with pytest.raises(SystemExit) as exited:
-        rl.parse_args(argv)
+        parse(argv)
     err = capsys.readouterr().err
     assert exited.value.code == 2
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -217,12 +270,38 @@ def bad_input_message(capsys, argv):
     (["--gamma", "-0.1"], "from 0 to 1"),
     (["--gamma", "nan"], "from 0 to 1"),
     (["--max_episodes", "0"], "must be at least 1"),
+    (["--max_episodes", "many"], "invalid integer value"),
     (["--log_interval", "0"], "must be at least 1"),
     (["--seed", "-3"], "must be at least 0"),
     (["--master_port", "70000"], "from 1 to 65535"),
+    (["--master_port", "0"], "from 1 to 65535"),
+    (["--master_addr", "no host.invalid"], "no such host"),
+    (["--max_ep", "3"], "unrecognized arguments"),  # no abbreviations
 ])
 def test_bad_input_is_one_line_and_status_2(capsys, argv, expected):
     assert expected in bad_input_message(capsys, argv)
+
+
+def test_a_port_in_use_is_refused_before_any_rank_starts(capsys):
+    with socket.create_server(("localhost", 0)) as taken:
+        port = taken.getsockname()[1]
+        err = bad_input_message(capsys, ["--master_port", port])
+        assert f"cannot listen on localhost:{port}" in err and "another --master_port" in err
+        # a rank other than 0 does not listen: it joins rank 0 there
+        assert parse(["--master_port", port, "--rank", 1]).rank == 1
+
+
+def test_output_paths_are_checked_before_any_rank_starts(capsys, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    err = bad_input_message(capsys, ["--summary_json", tmp_path / "gone" / "summary.json"])
+    assert "--summary_json" in err and "no such folder" in err
+    err = bad_input_message(capsys, ["--summary_json", tmp_path])
+    assert "that is a folder, not a file" in err
+    err = bad_input_message(capsys, ["--profile", a_file / "trace"])
+    assert "--profile" in err and "cannot make that folder" in err
+    # --summary_json is rank 0's: another rank's command does not check it
+    assert parse(["--summary_json", tmp_path / "gone" / "s.json", "--rank", 1]).rank == 1
 
 
 def test_hyphenated_flags_and_torchrun_environment(monkeypatch):
@@ -230,36 +309,28 @@ def test_hyphenated_flags_and_torchrun_environment(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29998")
-    args = rl_batch.parse_args(["--max-episodes", "7", "--log-interval", "2"])
-    assert (args.rank, args.world_size, args.master_port) == (1, 3, 29998)
+    args = parse(["--max-episodes", "7", "--log-interval", "2", "--world-size", "5"])
+    assert (args.rank, args.world_size, args.master_addr, args.master_port) == (
+        1, 3, "127.0.0.1", "29998")
     assert (args.max_episodes, args.log_interval, args.torchrun) == (7, 2, True)
 
 
-def test_batch_py_has_the_command_line_of_main_py(monkeypatch, capsys):
-    """batch.py builds on main.py's parser: the same flags, ranks, names and checks."""
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    args = rl_batch.parse_args(["--world-size", "3", "--gamma", "0.5",
-                                "--master_port", str(find_free_port())])
-    assert (args.world_size, args.gamma, args.rank, args.log_interval) == (3, 0.5, None, 10)
-    assert args.harness.names == ["agent", "observer1", "observer2"]
-    assert args.harness.loops == [0]  # the agent's episodes, which --profile records
-    assert args.harness.threads == {0: 1, 1: 1, 2: 1}  # no rank computes heavily
-    assert args.harness.spawn_all
-    assert args.harness.summary is load_example("rl_cartpole", "extras").write_summary
-    with pytest.raises(SystemExit) as exited:
-        rl_batch.parse_args(["--gamma", "2"])
-    err = capsys.readouterr().err
-    assert exited.value.code == 2
-    assert "from 0 to 1" in err and len(err.strip().splitlines()) == 1
+def test_torchrun_with_one_process_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_PORT", str(find_free_port()))
+    assert "torchrun started 1 process(es)" in bad_input_message(capsys, [])
 
 
-def test_help_shows_every_default(capsys):
-    with pytest.raises(SystemExit) as exited:
-        rl.parse_args(["--help"])
-    out = " ".join(capsys.readouterr().out.split())  # as one line, whatever the wrapping
-    assert exited.value.code == 0
-    for default in ("(default: 2)", "(default: 0.99)", "(default: 10)", "(default: 29500)",
-                    "(default: 2000)"):
+def test_batch_py_has_the_command_line_of_main_py():
+    """batch.py parses main.py's parser: the same flags, defaults and checks."""
+    assert rl_batch.parser is rl.parser
+
+
+def test_help_shows_every_default():
+    out = " ".join(rl.parser.format_help().split())  # as one line, whatever the wrapping
+    for default in ("(default: 2)", "(default: 0.99)", "(default: 1)", "(default: 10)",
+                    "(default: localhost)", "(default: 29500)", "(default: 2000)"):
         assert default in out
 
 
@@ -287,32 +358,48 @@ def episode_rewards(output):
     return [float(last) for _, last, _ in EPISODE_LINE.findall(output)]
 
 
-def spawn_all(tmp, *args, script="main.py"):
-    """An agent and its observers from one command; (its run, its summary)."""
-    summary = tmp / "summary.json"
-    run = run_example("rl_cartpole", "--log_interval", 1, *TCP, "--master_port",
-                      find_free_port(), "--summary_json", summary, *args, timeout=150,
-                      log_dir=tmp, script=script)
-    return run, json.loads(summary.read_text()) if summary.exists() else None
+def summary_of(tmp):
+    path = tmp / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def finish(run, timeout):
+    """Wait for a run; fail the test if it times out or leaves processes."""
+    try:
+        run.wait(timeout)
+        alive = run.leftovers()
+    finally:
+        run.kill_session()
+    assert not alive, f"processes left running after {' '.join(run.cmd)}: {alive}"
+    return run
 
 
 @pytest.fixture(scope="module")
 def tutorial(tmp_path_factory):
-    """The tutorial's agent and one observer, profiled."""
+    """The brief's smoke run: the folder copied alone, its plain command run from the copy with a
+    Python where this project's package cannot be imported: the tutorial's agent and one
+    observer from one command, profiled. (its run, its summary)"""
     tmp = tmp_path_factory.mktemp("rl")
-    return spawn_all(tmp, "--max_episodes", EPISODES, "--profile", tmp / "trace")
+    copy = copy_example("rl_cartpole", tmp / "copy")
+    flags = ["--max_episodes", EPISODES, "--log_interval", 1, "--master_port", find_free_port(),
+             "--summary_json", tmp / "summary.json", "--profile", tmp / "trace"]
+    run = Run([*ALONE, "main.py", *flags], tmp, cwd=copy)
+    return finish(run, timeout=150), summary_of(tmp)
 
 
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory):
     """batch.py's agent with two observers. Its test is in the whole suite only: the quick one
     runs each tutorial's main.py end to end, within its time."""
-    return spawn_all(tmp_path_factory.mktemp("rl_batch"), "--world_size", 3, "--max_episodes",
-                     BATCH_EPISODES, script="batch.py")
+    tmp = tmp_path_factory.mktemp("rl_batch")
+    return run_example("rl_cartpole", "--world_size", 3, "--max_episodes", BATCH_EPISODES,
+                       "--log_interval", 1, "--master_port", find_free_port(), "--summary_json",
+                       tmp / "summary.json", timeout=150, log_dir=tmp,
+                       script="batch.py"), summary_of(tmp)
 
 
 def test_the_profiled_timeline_shows_the_agent_answering_the_observer(tutorial):
-    """--profile: a track per rank; inside the agent's steps, an episode each, its RPC threads
+    """--profile: a trace per rank; inside the agent's steps, an episode each, its RPC threads
     run select_action for the observer's every step (sampling the policy's action)."""
     run, _ = tutorial
     check_timeline([run], run.log_dir / "trace", ["agent", "observer1"], "agent",
@@ -325,12 +412,17 @@ def test_spawn_all_runs_the_tutorials_episodes(tutorial):
     assert [int(i) for i, _, _ in EPISODE_LINE.findall(run.stdout)] == list(range(1, EPISODES + 1))
     assert f"Stopped after {EPISODES} episodes (--max_episodes), unsolved" in run.stdout
     assert "Solved!" not in run.stdout
+    assert "ProcessGroup" not in run.stderr  # the known warning, left out (extras.py)
     assert summary["mode"] == "tutorial" and summary["observers"] == 1
     assert summary["episodes"] == EPISODES and summary["solved"] is False
     rewards = episode_rewards(run.stdout)
     assert summary["last_reward"] == rewards[-1]
     assert summary["env_steps"] == sum(rewards)  # one observer: its reward is its step count
     assert summary["steps_per_second"] > 0 and summary["wall_seconds"] > 0
+    assert set(summary["peak_memory_mb"]) == {"agent", "observer1"}
+    # The agent's last line; the observer may write its trace after it (--profile).
+    agent_lines = [line for line in run.stdout.splitlines() if not line.startswith("observer1")]
+    assert agent_lines[-1].startswith("Summary: 60 episodes, not solved"), run.stdout
 
 
 def test_spawn_all_learned(tutorial):
@@ -340,29 +432,39 @@ def test_spawn_all_learned(tutorial):
     assert summary["running_reward"] > 20, summary
 
 
-@pytest.mark.slow
-def test_ranks_as_separate_commands_repeat_the_run(tutorial, runs):
-    """The observer started before the agent; with one observer and one seed it plays the
-    episodes of the spawn-all run. Only the first 10 are compared: the weights drift apart in
-    their last bits from the first update (see "Seeding" in rl_cartpole/README.md), and after
-    some tens of episodes an action comes out differently."""
+def test_ranks_as_separate_commands_repeat_the_run(tutorial, runs, tmp_path):
+    """The observer started before the agent, each its own command (the tutorial's
+    mp.Process); with one observer and one seed it plays the episodes of the spawn-all run.
+    Only the first 10 are compared: the weights may drift apart in their last bits, and after
+    some tens of episodes an action come out differently."""
     spawned, _ = tutorial
     common = ["--world_size", 2, "--master_port", find_free_port(), "--max_episodes", 10,
-              "--log_interval", 1, *TCP]
+              "--log_interval", 1]
     observer = runs.start("rl_cartpole", *common, "--rank", 1)
-    agent = runs.start("rl_cartpole", *common, "--rank", 0)
+    agent = runs.start("rl_cartpole", *common, "--rank", 0, "--summary_json",
+                       tmp_path / "summary.json")
     for run in (agent, observer):
-        run.wait(timeout=120)
+        finish(run, timeout=120)
         assert run.returncode == 0, run.output
-        assert not run.leftovers()
     assert EPISODE_LINE.findall(agent.stdout) == EPISODE_LINE.findall(spawned.stdout)[:10]
-    assert re.fullmatch(r"observer1 \(rank 1 of 2\): waiting for the other ranks at "
-                        r"localhost:\d+, up to 60 s\n"
-                        r"observer1: joined the other 1 rank\(s\); 1 thread\b[^\n]*\n",
-                        observer.stdout), observer.stdout
+    assert agent.last_line.startswith("Summary: 10 episodes"), agent.output
+    assert observer.stdout == ""  # an observer serves the agent's calls, and prints nothing
+    assert set(summary_of(tmp_path)["peak_memory_mb"]) == {"agent", "observer1"}
 
 
-@pytest.mark.slow
+def test_batched_agent_with_one_observer_plays_main_py_s_episodes(tutorial, tmp_path):
+    """One observer, one seed: batch.py's forward pass is main.py's select_action on one state,
+    so it plays the tutorial's episodes, the first 10 compared (see above). On the CPU, as
+    main.py's policy: a GPU samples other actions, as another seed does."""
+    spawned, _ = tutorial
+    run = run_example("rl_cartpole", "--max_episodes", 10, "--log_interval", 1,
+                      "--master_port", find_free_port(), timeout=120, log_dir=tmp_path,
+                      script="batch.py", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert "policy on cpu" in run.stdout
+    assert run.returncode == 0, run.output
+    assert EPISODE_LINE.findall(run.stdout) == EPISODE_LINE.findall(spawned.stdout)[:10]
+
+
 def test_batched_agent_with_two_observers_learns(batch):
     run, summary = batch
     assert run.returncode == 0, run.output
@@ -373,6 +475,18 @@ def test_batched_agent_with_two_observers_learns(batch):
     rewards = episode_rewards(run.stdout)  # the shorter of the two episodes, each time
     assert learned(rewards, 1.3), rewards
     assert summary["env_steps"] >= 2 * sum(rewards)
+    assert run.last_line.startswith("Summary: 30 episodes"), run.output
+
+
+def test_a_bad_command_starts_nothing(runs, tmp_path):
+    """From the folder copied alone: bad input ends the command in one line, status 2, before
+    any rank starts."""
+    copy = copy_example("rl_cartpole", tmp_path / "copy")
+    run = runs.start_command([*ALONE, "batch.py", "--world_size", "1"], cwd=copy)
+    finish(run, timeout=60)
+    assert run.returncode == 2, run.output
+    assert run.stdout == "" and len(run.stderr.strip().splitlines()) == 1, run.output
+    assert "argument --world_size: must be at least 2, got 1" in run.stderr
 
 
 # --------- The same program as Monarch actors (actors.py) --------------------
