@@ -91,14 +91,17 @@ def next_token_windows(source, bptt, max_batches=None):
 
 
 def training_data(args):
-    """(ntoken, token stream, what it is) for this run."""
+    """(ntoken, source) for the trainer: this run's tokens (the synthetic task, or --corpus),
+    said in one line, and cut into --batch_size sequences, one a column (batchify)."""
     if args.corpus is None:
         best = best_synthetic_loss(SYNTHETIC_NTOKEN, SYNTHETIC_RESTART)
-        about = (f"Synthetic data: {SYNTHETIC_TOKENS} tokens counting up modulo "
-                 f"{SYNTHETIC_NTOKEN}, restarting at a random token with probability "
-                 f"{SYNTHETIC_RESTART} (lowest possible loss {best:.4f})")
-        return (SYNTHETIC_NTOKEN, synthetic_tokens(SYNTHETIC_TOKENS, SYNTHETIC_NTOKEN, args.seed),
-                about)
-    vocabulary, tokens = load_corpus(args.corpus)
-    about = f"Corpus {args.corpus}: {len(tokens)} words, {len(vocabulary)} distinct"
-    return len(vocabulary), tokens, about
+        print(f"Synthetic data: {SYNTHETIC_TOKENS} tokens counting up modulo "
+              f"{SYNTHETIC_NTOKEN}, restarting at a random token with probability "
+              f"{SYNTHETIC_RESTART} (lowest possible loss {best:.4f})")
+        ntoken, tokens = SYNTHETIC_NTOKEN, synthetic_tokens(SYNTHETIC_TOKENS, SYNTHETIC_NTOKEN,
+                                                            args.seed)
+    else:
+        vocabulary, tokens = load_corpus(args.corpus)
+        print(f"Corpus {args.corpus}: {len(tokens)} words, {len(vocabulary)} distinct")
+        ntoken = len(vocabulary)
+    return ntoken, batchify(tokens, args.batch_size)

@@ -1,6 +1,6 @@
 """The tutorial's `rnn.RNNModel`, word_language_model's RNN split across RPC: the embedding
 table and the decoder on a parameter server, the LSTM on the trainer. Each line that is not the
-tutorial's ends with "# ours:" and why."""
+tutorial's ends with "# ours:" and why, or sits under a comment that says so."""
 
 # ours: the imports and the order of the pytorch/examples script's rnn.py (the tutorial shows
 # no imports, and its _parameter_rrefs after RNNModel)
@@ -34,8 +34,9 @@ def _parameter_rrefs(module):
     return param_rrefs
 
 
-def choose_embedding_device(gpu_count):  # ours: the table's device, in one place (the tests
-    return torch.device("cuda:0" if gpu_count > 0 else "cpu")  # ours: fake gpu_count)
+# ours: the table's device, in one place, which the tests call with faked GPU counts
+def choose_embedding_device(gpu_count):
+    return torch.device("cuda:0" if gpu_count > 0 else "cpu")
 
 
 class EmbeddingTable(nn.Module):
@@ -43,17 +44,19 @@ class EmbeddingTable(nn.Module):
     def __init__(self, ntoken, ninp, dropout):
         super(EmbeddingTable, self).__init__()
         self.drop = nn.Dropout(dropout)
-        self.encoder = nn.Embedding(ntoken, ninp)  # ours: no .cuda() (below)
-        self.device = choose_embedding_device(torch.cuda.device_count())  # ours: (above)
-        self.encoder = self.encoder.to(self.device)  # ours: (above)
+        self.encoder = nn.Embedding(ntoken, ninp)  # ours: the script's, with no .cuda() (below)
+        # ours: the table on cuda:0 where the machine has a GPU, else on the CPU
+        self.device = choose_embedding_device(torch.cuda.device_count())
+        self.encoder = self.encoder.to(self.device)
         nn.init.uniform_(self.encoder.weight, -0.1, 0.1)  # ours: the script's, for .data.uniform_
 
     def forward(self, input):
-        input = input.to(self.device)  # ours: (above)
+        input = input.to(self.device)  # ours: to the table's device (above)
         return self.drop(self.encoder(input)).cpu()  # ours: the parenthesis the tutorial misses
 
-    def get_device(self):  # ours: where the table is, which main.py says
-        return str(self.device)  # ours: (above)
+    # ours: where the table is, which the trainer says
+    def get_device(self):
+        return str(self.device)
 
 
 class Decoder(nn.Module):

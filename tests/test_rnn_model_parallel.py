@@ -6,11 +6,23 @@ import json
 import math
 import random
 import re
+import socket
 
+import programs
 import pytest
 import torch
 import torch.nn as nn
-from conftest import TCP, check_timeline, find_free_port, load_example, start_example
+from conftest import (
+    ALONE,
+    ROOT,
+    Run,
+    check_timeline,
+    copy_example,
+    find_free_port,
+    load_example,
+    outside_imports,
+    start_example,
+)
 
 rnn = load_example("rnn_model_parallel", "rnn")
 rnn_data = load_example("rnn_model_parallel", "data")
@@ -109,9 +121,18 @@ def test_worker_names():
 
 # --------- Command line, in-process --------------------
 
+def parse(argv, env=None):
+    """main.py's own parser (the one its `--help` builds), then extras.check_args, as main.py's
+    __main__ runs them: the args that the ranks would get."""
+    parser = programs.parsed("rnn_model_parallel/main.py").parser
+    args = parser.parse_args([str(arg) for arg in argv])
+    rnn_extras.check_args(parser, args)
+    return args
+
+
 def bad_input_message(capsys, argv):
     with pytest.raises(SystemExit) as exited:
-        rnn_extras.parse_args(["--master_port", str(find_free_port()), *argv])
+        parse(["--master_port", find_free_port(), *argv])
     err = capsys.readouterr().err
     assert exited.value.code == 2
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -120,14 +141,21 @@ def bad_input_message(capsys, argv):
 
 @pytest.mark.parametrize("argv, expected", [
     (["--world_size", "1"], "must be at least 2"),
+    (["--world-size", "two"], "invalid int value"),
     (["--rank", "2"], "outside a world of 2"),
+    (["--rank", "-1"], "must be at least 0"),
     (["--epochs", "0"], "must be at least 1"),
     (["--bptt", "0"], "must be at least 1"),
-    (["--nlayers", "zero"], "invalid integer"),
+    (["--nlayers", "zero"], "invalid integer (>= 1) value"),
     (["--lr", "0"], "greater than 0"),
+    (["--lr", "nan"], "greater than 0"),
     (["--dropout", "1"], "from 0 to less than 1"),
+    (["--seed", "-1"], "must be at least 0"),
     (["--master_port", "70000"], "from 1 to 65535"),
     (["--corpus", "/nonexistent/text.txt"], "cannot read it (No such file or directory)"),
+    (["--summary_json", "/nonexistent/summary.json"], "no such folder"),
+    (["--profile", "/proc/no/such/folder"], "cannot make that folder"),
+    (["--epoch", "1"], "unrecognized arguments: --epoch 1"),  # no abbreviated flags
 ])
 def test_bad_input_is_one_line_and_status_2(capsys, argv, expected):
     assert expected in bad_input_message(capsys, argv)
@@ -150,24 +178,79 @@ def test_corpus_folder_is_bad_input(tmp_path, capsys):
     assert "cannot read it" in bad_input_message(capsys, ["--corpus", str(tmp_path)])
 
 
+def test_a_port_in_use_is_bad_input_where_rank_0_starts(capsys):
+    with socket.create_server(("localhost", 0)) as taken:
+        port = taken.getsockname()[1]
+        for argv in (["--master_port", port], ["--master_port", port, "--rank", 0]):
+            with pytest.raises(SystemExit) as exited:
+                parse(argv)
+            assert exited.value.code == 2
+            assert f"cannot listen on localhost:{port}" in capsys.readouterr().err
+        # a trainer's command only connects to the port
+        assert parse(["--master_port", port, "--rank", 1]).rank == 1
+
+
 def test_ps_needs_no_corpus():
-    args = rnn_extras.parse_args(["--rank", "0", "--master_port", str(find_free_port()),
-                           "--corpus", "/only/on/the/trainers/machine.txt"])
+    args = parse(["--rank", "0", "--master_port", find_free_port(),
+                  "--corpus", "/only/on/the/trainers/machine.txt"])
     assert args.rank == 0
 
 
-def test_help_shows_the_tutorial_sizes_and_the_corpus_sizes(capsys):
-    with pytest.raises(SystemExit) as exited:
-        rnn_extras.parse_args(["--help"])
-    out = " ".join(capsys.readouterr().out.split())
-    assert exited.value.code == 0
+def test_torchrun_gives_the_rank_world_and_meeting_point(monkeypatch):
+    port = find_free_port()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    args = parse([])
+    assert (args.rank, args.world_size, args.master_addr, args.master_port) == (
+        1, 3, "127.0.0.1", str(port))
+    assert rnn_extras.worker_name(args.rank, args.world_size) == "trainer1"
+
+
+def test_torchrun_with_one_process_is_bad_input(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert "torchrun started 1 process(es)" in bad_input_message(capsys, [])
+
+
+def test_help_shows_every_default_and_the_corpus_sizes():
+    out = " ".join(programs.parsed("rnn_model_parallel/main.py").help.split())
     # The help texts and their defaults, not the flags' layout, which argparse changes between
     # Python versions (3.13 writes the metavar once after all of a flag's spellings).
-    for default in ("total number of processes: ps (rank 0) and the trainers (default: 2)",
-                    "(default: 29500)", "(default: 10)", "size of the embeddings (default: 2)"):
+    for default in ("number of processes: ps (rank 0) and the trainers (default: 2)",
+                    "(default: 29500)", "(default: localhost)", "passes over the data "
+                    "(default: 10)", "size of the embeddings (the tutorial's `ninp`) "
+                    "(default: 2)", "LSTM layers (the tutorial's 4 do not learn) (default: 1)"):
         assert default in out
     assert "each trainer an LSTM (and a model of its own)" in out
     assert "--emsize 64 --nhid 64 --bptt 35 --batch_size 20 --epochs 5" in out
+    for spelling in ("--world-size", "--max-batches", "--batch-size", "--summary-json"):
+        assert spelling in out
+
+
+def test_a_summary_that_cannot_be_written_at_the_end_says_so_after_the_figures(tmp_path, capsys):
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    args = parse(["--master_port", find_free_port(), "--summary_json", folder / "s.json"])
+    folder.rmdir()
+    rnn_extras.FIGURES["trainer"] = {"name": "trainer", "losses": [2.3, 1.2], "iterations": 266,
+                                     "ntoken": 10, "peak_memory_mb": {"rss": 1},
+                                     "train_seconds": 1.0}
+    try:
+        with pytest.raises(SystemExit) as exited:
+            rnn_extras.finish(args, rnn_extras.NotProfiling())
+    finally:
+        rnn_extras.FIGURES.clear()
+    out, err = capsys.readouterr()
+    assert exited.value.code == 1
+    assert out.startswith("Summary: loss 2.3000 -> 1.2000, perplexity 9.97 -> 3.32 over 1 ")
+    assert err == (f"--summary_json {folder / 's.json'}: not written (No such file or "
+                   "directory); the Summary line has the run's figures\n")
+
+
+def test_the_folder_imports_nothing_of_this_project():
+    assert outside_imports(ROOT / "rnn_model_parallel") == []
 
 
 # --------- Whole runs --------------------
@@ -196,20 +279,22 @@ def write_small_text(path):
 def finished(tmp_path_factory):
     """The end-to-end runs of this file, started together and awaited (their iterations spend
     much of their time waiting for each other's messages, so two cores serve them at once):
-    - spawn_all: every rank from one command, the synthetic task;
+    - spawn_all: every rank from one command, the synthetic task, run as the brief asks: the
+      folder copied alone, its plain command in a Python where rpc_harness cannot be imported;
     - by_rank: the same seed, each rank its own command, the trainer started first, profiled;
     - corpus: a small text, each rank its own command."""
     tmp = tmp_path_factory.mktemp("rnn")
     text = write_small_text(tmp / "small.txt")
+    copy = copy_example("rnn_model_parallel", tmp / "copy")
     by_rank_port, corpus_port = find_free_port(), find_free_port()
 
     def start(*args, summary=None):
         summary_args = ("--summary_json", tmp / f"{summary}.json") if summary else ()
-        return start_example("rnn_model_parallel", *TCP, *args, *summary_args, log_dir=tmp)
+        return start_example("rnn_model_parallel", *args, *summary_args, log_dir=tmp)
 
     started = {
-        "spawn_all": [start(*SYNTHETIC, 4, "--master_port", find_free_port(),
-                            summary="spawn_all")],
+        "spawn_all": [Run([*ALONE, "main.py", *SYNTHETIC, 4, "--master_port", find_free_port(),
+                           "--summary_json", tmp / "spawn_all.json"], tmp, cwd=copy)],
         "by_rank": [start(*SYNTHETIC, 2, "--master_port", by_rank_port, "--rank", 1,
                           "--profile", tmp / "trace"),
                     start(*SYNTHETIC, 2, "--master_port", by_rank_port, "--rank", 0,
@@ -222,7 +307,7 @@ def finished(tmp_path_factory):
     try:
         for runs in started.values():
             for run in runs:
-                run.wait(timeout=150)
+                run.wait(timeout=240)
                 assert run.returncode == 0, f"{run.cmd}: status {run.returncode}\n{run.output}"
                 assert not run.leftovers(), f"processes left running after {run.cmd}"
     finally:
@@ -242,7 +327,9 @@ def test_spawn_all_runs_the_tutorials_loop(finished):
     assert summary["trainers"] == 1 and summary["ntoken"] == 10
     assert summary["iterations"] == 4 * 133
     assert len(summary["losses"]["trainer"]) == 4
-    assert summary["wall_seconds"] > 0
+    assert summary["wall_seconds"] > 0 and summary["train_seconds"] > 0
+    assert set(summary["peak_memory_mb"]) == {"ps", "trainer"}
+    assert run.stdout.strip().splitlines()[-1].startswith("Summary: loss ")  # ps's, the last
 
 
 def test_spawn_all_learned_the_synthetic_task(finished):
@@ -255,8 +342,9 @@ def test_spawn_all_learned_the_synthetic_task(finished):
 
 
 def test_the_profiled_timeline_of_two_terminals_shows_the_ps_embedding_lookup(finished):
-    """--profile with each rank its own command: each writes its trace, rank 0 (ps) merges
-    them; the ps looks up the embeddings (and decodes) for the trainer's steps."""
+    """--profile with each rank its own command: each writes its own trace (rpcrun would merge
+    them; check_timeline does here); ps looks up the embeddings (and decodes) for the trainer's
+    steps 3 to 5."""
     trainer, ps = finished[0]["by_rank"]
     check_timeline([trainer, ps], ps.log_dir / "trace", ["ps", "trainer"], "ps",
                    {"aten::embedding"})
@@ -266,7 +354,8 @@ def test_ranks_as_separate_commands_give_the_same_losses_for_the_same_seed(finis
     trainer, ps = finished[0]["by_rank"]
     for run in (trainer, ps):
         assert run.returncode == 0, run.output
-    assert "Summary: loss" in ps.stdout
+    assert ps.stdout.strip().splitlines()[-1].startswith("Summary: loss ")
+    assert "Summary" not in trainer.stdout and "Synthetic data" not in ps.stdout
     by_rank = epoch_lines(trainer.stdout)
     assert len(by_rank) == 2
     assert by_rank == epoch_lines(finished[0]["spawn_all"][0].stdout)[:2]
