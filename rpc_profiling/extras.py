@@ -1,212 +1,285 @@
-"""What rpc_profiling's main.py adds beside the recipe: every rank profiled, one timeline of
-them all, the ranks' names and the command line (the recipe has none). main.py imports it, so
-that it shows the recipe's code."""
+"""What main.py adds beside the recipe, small enough to read and to delete: the command line
+(the recipe has none) and its checks, --profile (every rank profiles itself, as today's torch
+no longer shows the callee's operators in the caller's profile), and the run's summary."""
 
+import argparse
 import json
 import os
+import resource
 import socket
+import sys
+import tempfile
 import threading
 import time
+import warnings
 
 import torch
 import torch.distributed.rpc as rpc
 
-import rpc_harness  # this project's package: `make run` installs it (or `pip install -e .`)
-from rpc_harness import profiling
-from rpc_harness.compat import profiler_options
-
-# --------- Every rank profiled, one timeline --------------------
-#
-# worker0 waits until every other rank's profiler runs, sends worker1 the recipe's RPCs again
-# under a profiler of its own, and tells the others to stop; each writes its trace and reports
-# it (rpc_harness.report), so that worker0 can merge them at the end even when the ranks run on
-# machines that share no folder.
-
-PROFILER_OPTIONS, ALL_THREADS = profiler_options()
-profiler_running = threading.Event()  # set on a rank other than 0 while its profiler runs
-stop_profiling = threading.Event()  # set by worker0 when it is done
-
-
-def say_what_the_recipes_profiles_hold(prof, p, dst_worker_name):
-    """The recipe's tables list the callee's operators (Node ID 1); say what they hold here."""
-    events = list(prof.function_events) + list(p.function_events)
-    remote = [event for event in events if getattr(event, "node_id", -1) not in (-1, 0)]
-    print(f"The recipe's two profiles hold {len(events)} events, {len(remote)} of them run on "
-          f"{dst_worker_name} (torch {torch.__version__}: the profiler records the caller only; "
-          "torch 1.6, the recipe's, showed the callee's operators as remote_op rows).")
-    return {"events": len(events), "remote_events": len(remote)}
-
-
-def wait_until_profiling(seconds):
-    if not profiler_running.wait(seconds):
-        raise RuntimeError(f"{rpc.get_worker_info().name}'s profiler did not start")
-
-
-def stop():
-    stop_profiling.set()
-
-
-def profile_every_rank(worker_name, dst_worker_name, t1, t2, world_size, args, udf_with_ops):
-    others = [f"worker{rank}" for rank in range(1, world_size)]
-    for other in others:
-        rpc.rpc_sync(other, wait_until_profiling, args=(args.rpc_timeout,))
-    print(f"Now every rank profiles itself{'' if ALL_THREADS else ' (main thread only)'}: "
-          f"the same RPCs again, each inside a span named as the recipe's table row")
-    with torch.profiler.profile(**PROFILER_OPTIONS) as prof:
-        with torch.profiler.record_function(f"rpc_async#aten::add({worker_name} -> "
-                                            f"{dst_worker_name})"):
-            fut1 = rpc.rpc_async(dst_worker_name, torch.add, args=(t1, t2))
-            fut1.wait()
-        with torch.profiler.record_function(f"rpc_async#aten::mul({worker_name} -> "
-                                            f"{dst_worker_name})"):
-            fut2 = rpc.rpc_async(dst_worker_name, torch.mul, args=(t1, t2))
-            fut2.wait()
-        with torch.profiler.record_function(f"rpc_async#udf_with_ops({worker_name} -> "
-                                            f"{dst_worker_name})"):
-            rpc.rpc_async(dst_worker_name, udf_with_ops).wait()
-    for other in others:
-        rpc.rpc_sync(other, stop)
-    finish_profile(prof, worker_name, args)
-    rpc_harness.report(clocks={other: clock_offset(other) for other in others})
-
-
-def profile_until_worker0_is_done(worker_name, args):
-    with torch.profiler.profile(**PROFILER_OPTIONS) as prof:
-        profiler_running.set()
-        stop_profiling.wait(args.rpc_timeout)
-    finish_profile(prof, worker_name, args)
-
-
-def clock():
-    return socket.gethostname(), time.time_ns()
-
-
-def clock_offset(other):
-    """How far this rank's clock is ahead of other's, in ns (0 on one machine: one clock), and
-    how far off that may be: half the best of five round trips."""
-    samples = []
-    for _ in range(5):
-        before = time.time_ns()
-        host, theirs = rpc.rpc_sync(other, clock)
-        after = time.time_ns()
-        samples.append((after - before, (before + after) // 2 - theirs))
-    if host == socket.gethostname():
-        return 0, 0
-    round_trip, offset = min(samples)
-    return offset, max(1, round_trip // 2)
-
-
-def finish_profile(prof, worker_name, args):
-    """Write this rank's trace, print its top operators, and report the trace to worker0."""
-    path = os.path.join(args.profile, f"{worker_name}.json")
-    prof.export_chrome_trace(path)
-    with open(path) as file:
-        text = file.read()
-    print(f"{worker_name}: Wrote trace to {path} ({len(text) / 1024:.0f} kB)")
-    missing = ("" if ALL_THREADS or worker_name == "worker0" else
-               f"; torch {torch.__version__} records the main thread only, which misses the "
-               "operators that RPCs run on TensorPipe's threads")
-    # one print: the ranks share the terminal, and a table in pieces would mix with another's
-    print(f"{worker_name}: top operators (self CPU time){missing}\n"
-          + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=6))
-    rpc_harness.report(trace=text)
-
-
-def write_timeline(args, profiled):
-    """At the end, on worker0: merge every rank's trace (in rank order) into --profile's
-    timeline.json; the summary."""
-    clocks = profiled["worker0"]["clocks"]
-    for name, (offset, error) in clocks.items():
-        if error:  # offset: how far worker0's clock is ahead of theirs
-            print(f"{name}'s clock is {-offset / 1e6:+.3f} ms from worker0's (measured over "
-                  f"RPC, within {error / 1e6:.3f} ms); its events are moved by that much")
-    traces = {name: {**json.loads(profiled[name]["trace"]),
-                     "clockOffsetNs": -clocks.get(name, (0, 0))[0]}
-              for name in sorted(profiled, key=rank_of)}
-    wrote = profiling.save_timeline(args.profile, traces)
-    print(wrote[0].upper() + wrote[1:])
-    path = os.path.join(args.profile, profiling.TIMELINE)
-    recipe = profiled["worker0"]["recipe"]
-    on_worker1 = [event["name"] for event in traces["worker1"]["traceEvents"]
-                  if event.get("ph") == "X" and event["name"].startswith("aten::")]
-    return (
-        {"example": "rpc_profiling", "torch": torch.__version__, "all_threads": ALL_THREADS,
-         "recipe_events": recipe["events"], "recipe_remote_events": recipe["remote_events"],
-         "worker1_operators": len(on_worker1), "timeline": path,
-         "trace_bytes": {name: len(profiled[name]["trace"]) for name in traces}},
-        f"the recipe's profiles: {recipe['events']} events, {recipe['remote_events']} of "
-        f"worker1; worker1's own profile: {len(on_worker1)} operators; a timeline of "
-        f"{len(traces)} ranks")
-
-
-# --------- Names, the threads --------------------
-
-def rank_of(name):
-    """The rank of a worker's name: worker1 -> 1."""
-    return int(name.removeprefix("worker"))
-
-
-def worker_name(rank, world_size):
-    """Each rank's name in RPC, as the recipe names them, which the harness's messages use too."""
-    return f"worker{rank}"
-
-
-def computes_nothing(rank, world_size):
-    """No rank does heavy computing: 3 x 3 tensors need no more than one thread each."""
-    return False
+# init_rpc uses its agent's Gloo process group through an API that torch itself deprecated
+# since 2.0, and warns so in every rank: nothing that the recipe's code can change.
+warnings.filterwarnings("ignore", message=r".*as a ProcessGroup\. This usage is deprecated")
 
 
 # --------- The command line --------------------
 
+def at_least(low):
+    """An argparse type: a whole number of at least `low`."""
+    def number(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return number
+
+
+def port(text):
+    """An argparse type: a TCP port."""
+    value = at_least(1)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 1 to 65535, got {value}")
+    return value
+
+
 def parse_args(argv=None):
-    """The command line (the recipe has none: its world size, address and port as flags), with
-    this example's --profile and this project's flags, checked: bad input ends the command here
-    in one line, status 2."""
-    # rpc_harness.ArgumentParser: argparse's, with every default in --help and errors in one
-    # line (status 2). rpc_harness.int_at_least(N) and port_number: argument types that refuse
-    # what a plain int would let through.
-    parser = rpc_harness.ArgumentParser(description=(
-        "Profiling RPC: worker0 sends worker1 two operators and a function under the "
-        "profiler, as the recipe does, then every rank profiles itself and worker0 writes one "
-        "timeline of them all."))
-    parser.add_argument(
-        "--world_size",
-        type=rpc_harness.int_at_least(2),
-        default=2,
-        metavar="N",
-        help="total number of processes: worker0 (sends the RPCs), worker1 (runs them), "
-             "others idle")
-    parser.add_argument(
-        "--rank",
-        type=rpc_harness.int_at_least(0),
-        default=None,
-        metavar="R",
-        help="rank of this process. Without it, every rank starts here (or torchrun's RANK)")
-    parser.add_argument(
-        "--master_addr",
-        default="localhost",
-        metavar="ADDR",
-        help="address of worker0 (rank 0); other than localhost, on a trusted network only")
-    parser.add_argument(
-        "--master_port",
-        type=rpc_harness.port_number,
-        default=29500,
-        metavar="PORT",
-        help="port where the ranks meet, on worker0's address")
-    # Not in the recipe: the folder of its trace (its /tmp/trace.json) and of every rank's; then
-    # the flags that every example of this project has (timeouts, --seed, --summary_json), but
-    # the harness's --profile: this example profiles itself.
-    parser.add_argument(
-        "--profile", default="traces", metavar="DIR",
-        help="folder for the traces: the recipe's trace.json, one per rank (worker0.json, ...) "
-             "and worker0's timeline.json of them all; made if missing")
-    rpc_harness.add_arguments(parser, rpc_transport="auto", profiled=False)
+    """The flags, checked: bad input ends the command here, in one line with status 2."""
+    parser = argparse.ArgumentParser(
+        description="The recipe: worker0 sends worker1 two operators and a function under the "
+                    "profiler. With --profile DIR, every rank also profiles itself.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+
+    def error(message):  # one line: argparse's usage lines left out (--help shows them)
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+    parser.error = error
+    parser.add_argument("--world_size", "--world-size", type=at_least(2), default=2,
+                        metavar="N", help="number of ranks: worker0 sends the RPCs, worker1 "
+                                          "runs them, any others only join")
+    parser.add_argument("--rank", type=at_least(0), default=None, metavar="R",
+                        help="run only this rank (start the others in other terminals); "
+                             "without it, every rank starts here, or torchrun's RANK")
+    parser.add_argument("--master_addr", "--master-addr", default="localhost", metavar="ADDR",
+                        help="worker0's address, where the ranks meet (trusted networks only)")
+    parser.add_argument("--master_port", "--master-port", type=port, default=29500,
+                        metavar="PORT", help="worker0's port, where the ranks meet")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="every rank profiles itself into DIR/<its name>.json (made if "
+                             "missing), and the recipe's trace goes to DIR/trace.json; rpcrun "
+                             "merges the ranks' traces into DIR/timeline.json")
+    parser.add_argument("--seed", type=at_least(0), default=1, metavar="N",
+                        help="random seed of every rank")
+    parser.add_argument("--summary_json", "--summary-json", default=None, metavar="PATH",
+                        help="worker0 writes the run's figures to this JSON file at the end")
     args = parser.parse_args(argv)
-    # rpc_harness.check_args: the world, the rank, the address and port; torchrun's RANK and
-    # WORLD_SIZE stand for --rank and --world_size; and args.harness records what rpc_harness
-    # needs in every rank (docs/harness.md). loops=None: no rank calls
-    # profile_step(), the recipe's profilers are its own. Then --profile's folder.
-    rpc_harness.check_args(parser, args, worker_name, computes=computes_nothing, loops=None,
-                           summary=write_timeline, per_rank=["profile"])
-    rpc_harness.check_folder(parser, "--profile", args.profile)
+    check_args(parser, args)
     return args
+
+
+def check_args(parser, args):
+    """What argparse cannot check, before any rank starts; torchrun's rank and world."""
+    args.started = time.time()  # the summary's wall seconds count from here
+    torchrun = args.rank is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if torchrun:  # run the one rank that torchrun started this process for
+        for name in ("RANK", "WORLD_SIZE"):
+            if not os.environ[name].isdigit():
+                parser.error(f"torchrun's {name} is {os.environ[name]}, not a number")
+        args.rank, args.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if args.world_size < 2:
+            parser.error(f"torchrun started {args.world_size} process: the recipe needs 2 "
+                         "(--nproc_per_node 2)")
+        args.master_addr = os.environ.get("MASTER_ADDR", args.master_addr)
+        args.master_port = int(os.environ.get("MASTER_PORT", args.master_port))
+    if args.rank is not None and args.rank >= args.world_size:
+        parser.error(f"argument --rank: {args.rank} is outside a world of {args.world_size} "
+                     f"(ranks 0 to {args.world_size - 1})")
+    if not torchrun and args.rank in (None, 0):  # this command hosts worker0, and its port
+        try:
+            family = socket.getaddrinfo(args.master_addr, args.master_port)[0][0]
+        except (OSError, UnicodeError):
+            parser.error(f"argument --master_addr: no such host, {args.master_addr}")
+        try:
+            socket.create_server((args.master_addr, args.master_port), family=family).close()
+        except OSError as err:
+            reason = os.strerror(err.errno) if err.errno else err
+            parser.error(f"cannot listen on {args.master_addr}:{args.master_port} ({reason}): "
+                         "choose another --master_port")
+    if args.profile:
+        try:
+            os.makedirs(args.profile, exist_ok=True)
+            tempfile.TemporaryFile(dir=args.profile).close()
+        except OSError as err:
+            parser.error(f"argument --profile: cannot write in {args.profile} "
+                         f"({err.strerror or err})")
+    if args.summary_json and args.rank in (None, 0):  # worker0 writes it
+        folder = os.path.dirname(os.path.abspath(args.summary_json))
+        if os.path.isdir(args.summary_json):
+            parser.error(f"argument --summary_json: {args.summary_json} is a folder")
+        if not os.path.isdir(folder):
+            parser.error(f"argument --summary_json: no such folder, {folder}")
+        try:
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as err:
+            parser.error(f"argument --summary_json: cannot write in {folder} "
+                         f"({err.strerror or err})")
+
+
+# --------- --profile: every rank profiles itself --------------------
+#
+# worker1 records from the end of its init_rpc until worker0 has sent it the recipe's RPCs
+# again, this time under worker0's own profiler; then each writes its trace. worker0 first
+# asks whether worker1's profiler runs, and at the end tells it to stop.
+
+# Whether this torch's profiler records every thread, and so the RPCs that worker1 runs on
+# TensorPipe's threads (torch 2.4 records only the thread that started it).
+try:
+    torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    ALL_THREADS = True
+except TypeError:
+    ALL_THREADS = False
+
+decided = threading.Event()  # set on a rank other than 0 once it knows whether it profiles
+profiling = threading.Event()  # set once its profiler runs
+worker0_done = threading.Event()  # set by worker0 when it has sent its RPCs
+
+
+def profiler(rank):
+    """torch.profiler, of every thread where this torch can, with the rank in its trace."""
+    options = {"activities": [torch.profiler.ProfilerActivity.CPU]}
+    if ALL_THREADS:
+        options["experimental_config"] = torch._C._profiler._ExperimentalConfig(
+            profile_all_threads=True)
+    prof = torch.profiler.profile(**options)
+    prof.preset_metadata_json("rank", json.dumps(rank))
+    return prof
+
+
+def write_trace(prof, args, name):
+    """DIR/<name>.json, written whole; the line that says so, and its top operators."""
+    path = os.path.join(args.profile, f"{name}.json")
+    part = os.path.join(args.profile, f".{name}.json")
+    prof.export_chrome_trace(part)
+    os.replace(part, path)
+    with open(path) as file:
+        events = json.load(file)["traceEvents"]
+    operators = sum(1 for event in events
+                    if event.get("ph") == "X" and event.get("name", "").startswith("aten::"))
+    line = f"{name}: profiled, wrote {path} ({os.path.getsize(path) // 1024} kB)"
+    if not ALL_THREADS:
+        line += (f"; torch {torch.__version__} records only the thread that started the "
+                 "profiler, not the threads where RPCs run")
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=6)
+    # one print: the ranks share the terminal, and a table in pieces would mix with another's
+    print(f"{line}\n{name}: top operators (self CPU time)\n{table}", flush=True)
+    return {"trace_bytes": os.path.getsize(path), "operators": operators}
+
+
+def profiler_started():
+    """Asked by worker0: whether this rank's profiler runs."""
+    decided.wait()
+    return profiling.is_set()
+
+
+def stop():
+    """Called by worker0 when it has sent its RPCs."""
+    worker0_done.set()
+
+
+def profile_every_rank(args, worker_name, dst_worker_name, t1, t2, udf_with_ops):
+    """worker0, after the recipe: with --profile, the same RPCs again under torch.profiler,
+    each inside a span named as the recipe's table row; then the other ranks may stop."""
+    others = [f"worker{rank}" for rank in range(1, args.world_size)]
+    if args.profile:
+        with profiler(0) as prof:
+            for other in others:  # their profilers must run before the RPCs reach them
+                rpc.rpc_sync(other, profiler_started)
+            print("--profile: the same RPCs again, under torch.profiler in every rank; "
+                  "worker0 wraps each in a span named as the recipe's table row", flush=True)
+            with torch.profiler.record_function(
+                    f"rpc_async#aten::add({worker_name} -> {dst_worker_name})"):
+                rpc.rpc_async(dst_worker_name, torch.add, args=(t1, t2)).wait()
+            with torch.profiler.record_function(
+                    f"rpc_async#aten::mul({worker_name} -> {dst_worker_name})"):
+                rpc.rpc_async(dst_worker_name, torch.mul, args=(t1, t2)).wait()
+            with torch.profiler.record_function(
+                    f"rpc_async#udf_with_ops({worker_name} -> {dst_worker_name})"):
+                rpc.rpc_async(dst_worker_name, udf_with_ops).wait()
+        report(worker_name, write_trace(prof, args, worker_name))
+    for other in others:
+        rpc.rpc_sync(other, stop)
+
+
+def profile_until_worker0_is_done(args, rank, worker_name):
+    """A rank other than 0: with --profile, record until worker0 has sent its RPCs, write the
+    trace, and send worker0 its figures."""
+    if not args.profile:
+        decided.set()
+        return
+    with profiler(rank) as prof:
+        profiling.set()
+        decided.set()
+        worker0_done.wait()
+    figures = write_trace(prof, args, worker_name)
+    rpc.rpc_sync("worker0", report, args=(worker_name, {**figures, "rss": peak_rss_mb()}))
+
+
+# --------- The summary --------------------
+
+recipe = {}  # worker0's: what the recipe's profiles hold
+ranks = {}  # worker0's: each rank's figures, the others' sent by rpc_sync before rpc.shutdown
+
+
+def report(name, figures):
+    """On worker0: a rank's figures for the summary."""
+    ranks.setdefault(name, {}).update(figures)
+
+
+def peak_rss_mb():
+    """This process's most resident memory so far, in MB (ru_maxrss: kB on Linux, bytes on
+    macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss // (2**20 if sys.platform == "darwin" else 2**10)
+
+
+def say_what_the_recipes_profiles_hold(prof, p, dst_worker_name):
+    """The recipe's tables once listed the callee's operators (Node ID 1); say what they hold
+    on this torch."""
+    events = list(prof.function_events) + list(p.function_events)
+    remote = [event for event in events if getattr(event, "node_id", -1) not in (-1, 0)]
+    recipe.update(events=len(events), remote_events=len(remote))
+    print(f"The recipe's two profiles hold {len(events)} events, {len(remote)} of them run on "
+          f"{dst_worker_name} (torch {torch.__version__}: the profiler records the caller only; "
+          "torch 1.6, the recipe's, showed the callee's operators as remote_op rows).",
+          flush=True)
+
+
+def summary(args, rank):
+    """worker0's last line, after its rpc.shutdown(), and --summary_json."""
+    if rank != 0:
+        return
+    report("worker0", {"rss": peak_rss_mb()})
+    figures = {
+        "example": "rpc_profiling", "torch": torch.__version__, "world_size": args.world_size,
+        "all_threads": ALL_THREADS, "recipe_events": recipe["events"],
+        "recipe_remote_events": recipe["remote_events"],
+        "worker1_operators": ranks.get("worker1", {}).get("operators"),
+        "trace_bytes": {name: got["trace_bytes"] for name, got in sorted(ranks.items())
+                        if "trace_bytes" in got},
+        "peak_memory_mb": {name: {"rss": got["rss"]} for name, got in sorted(ranks.items())},
+        "wall_seconds": round(time.time() - args.started, 3),
+    }
+    line = (f"the recipe's profiles: {figures['recipe_events']} events, "
+            f"{figures['recipe_remote_events']} of worker1")
+    if figures["worker1_operators"] is not None:
+        line += f"; worker1's own profile: {figures['worker1_operators']} operators"
+    print(f"Summary: {line}; {figures['wall_seconds']:.1f} s in all", flush=True)
+    if args.summary_json:
+        try:
+            with open(args.summary_json, "w") as file:
+                file.write(json.dumps(figures, indent=2) + "\n")
+        except OSError as err:
+            print(f"--summary_json {args.summary_json}: not written ({err.strerror or err}); "
+                  "the Summary line has the run's figures", flush=True)
+            sys.exit(1)

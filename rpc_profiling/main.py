@@ -1,12 +1,12 @@
 """Profiling PyTorch RPC-Based Workloads, the recipe: its code, in its order. worker0 sends
 worker1 two builtin operators and a user-defined function under the profiler, and prints the
-profiles. Today's torch no longer shows the callee's operators in the caller's table, so every
-rank then profiles itself, and worker0 merges the traces into one timeline (extras.py).
+profiles. Today's torch no longer shows the callee's operators in the caller's profile: with
+--profile DIR, every rank then profiles itself into DIR/<its name>.json (extras.py).
 
-Each line that is not the recipe's ends with "# ours:" and why. README.md says what differs.
+Each line that is not the recipe's is marked "# ours:" with why. README.md says what differs.
 
-    python main.py                                          # every rank on this machine
-    python main.py --rank 1                                 # one rank per terminal
+    python main.py --profile traces                         # every rank on this machine
+    python main.py --world_size 2 --rank 1 --profile traces # one rank per terminal
 """
 
 import torch
@@ -16,11 +16,9 @@ import torch.multiprocessing as mp
 import os
 import logging
 import sys
-import time  # ours: udf_with_ops's, at the top (the recipe imports it inside)
+import tempfile  # ours: the recipe's /tmp, where the system keeps it
 
-import rpc_harness  # ours: this project's package: `make run` installs it (or `pip install -e .`)
-from extras import parse_args, profile_every_rank, profile_until_worker0_is_done  # ours
-from extras import say_what_the_recipes_profiles_hold  # ours: what is not the recipe (extras.py)
+import extras  # ours: the command line, --profile and the summary, beside this file
 
 logging.basicConfig(stream=sys.stdout, level=logging.DEBUG)
 logger = logging.getLogger()
@@ -31,24 +29,24 @@ def random_tensor():
 
 
 def udf_with_ops():
+    import time
     time.sleep(1)
     t1, t2 = random_tensor(), random_tensor()
     torch.add(t1, t2)
     torch.mul(t1, t2)
 
 
-@rpc_harness.watched  # ours: this rank ends in one line if it fails or loses a peer
-def worker(rank, world_size, args):  # ours: args
+def worker(rank, world_size, args):  # ours: args, the command line
+    torch.manual_seed(args.seed)  # ours: --seed, so that a run repeats
     os.environ["MASTER_ADDR"] = args.master_addr  # ours: --master_addr, not "localhost"
     os.environ["MASTER_PORT"] = str(args.master_port)  # ours: --master_port, not "29500"
     worker_name = f"worker{rank}"
 
-    # RPC, with the harness's options: the ranks meet through it, and every wait has a bound
+    # Initialize RPC framework.
     rpc.init_rpc(
         name=worker_name,
         rank=rank,
-        world_size=world_size,  # ours: a comma, as an argument follows
-        rpc_backend_options=rpc_harness.options(args)  # ours: (above)
+        world_size=world_size
     )
     logger.debug(f"{worker_name} successfully initialized RPC.")
 
@@ -56,11 +54,11 @@ def worker(rank, world_size, args):  # ours: args
         dst_worker_rank = (rank + 1) % world_size
         dst_worker_name = f"worker{dst_worker_rank}"
         t1, t2 = random_tensor(), random_tensor()
-        # the two RPCs, sent and awaited under the profiler
+        # Send and wait RPC completion under profiling scope.
         with profiler.profile() as prof:
             fut1 = rpc.rpc_async(dst_worker_name, torch.add, args=(t1, t2))
             fut2 = rpc.rpc_async(dst_worker_name, torch.mul, args=(t1, t2))
-            # awaited inside the profiler's scope, or it would not see them end
+            # RPCs must be awaited within profiling scope.
             fut1.wait()
             fut2.wait()
         print(prof.key_averages().table())
@@ -68,33 +66,33 @@ def worker(rank, world_size, args):  # ours: args
         with profiler.profile() as p:
             fut = rpc.rpc_async(dst_worker_name, udf_with_ops)
             fut.wait()
+
         print(p.key_averages().table())
 
-        trace_file = os.path.join(args.profile, "trace.json")  # ours: in --profile, not /tmp
+        # ours: in --profile's folder, or the system's temporary one (the recipe's "/tmp")
+        trace_file = os.path.join(args.profile or tempfile.gettempdir(), "trace.json")
         prof.export_chrome_trace(trace_file)
         logger.debug(f"Wrote trace to {trace_file}")
-
-        recipe = say_what_the_recipes_profiles_hold(prof, p, dst_worker_name)  # ours: below
-        profile_every_rank(worker_name, dst_worker_name, t1, t2, world_size, args,  # ours:
-                           udf_with_ops)  # ours: every rank profiled, one timeline (extras.py)
-        rpc_harness.report(recipe=recipe)  # ours: the summary's figures
-    else:  # ours: (above)
-        profile_until_worker0_is_done(worker_name, args)  # ours: (above)
+        # ours: what the recipe's profiles hold on this torch, then --profile's (extras.py)
+        extras.say_what_the_recipes_profiles_hold(prof, p, dst_worker_name)
+        extras.profile_every_rank(args, worker_name, dst_worker_name, t1, t2, udf_with_ops)
+    else:  # ours: --profile: the other ranks record until worker0 is done (extras.py)
+        extras.profile_until_worker0_is_done(args, rank, worker_name)
 
     logger.debug(f"Rank {rank} waiting for workers and shutting down RPC")
     rpc.shutdown()
     logger.debug(f"Rank {rank} shutdown RPC")
+    extras.summary(args, rank)  # ours: worker0's last line, "Summary: ..." (extras.py)
 
 
 if __name__ == '__main__':
-    args = parse_args()  # ours: the world size, address, port and --profile (extras.py)
-    rpc_harness.supervise(args)  # ours: this command ends in one line when a rank fails
-    mp.set_start_method("spawn")  # ours: --rank's process starts afresh, as mp.spawn's
-    # the recipe's two workers, or --world_size
-    world_size = args.world_size  # ours: --world_size, the recipe's 2 by default
-    if args.rank is not None:  # ours: one rank (--rank, or torchrun's), as the other tutorials
-        p = mp.Process(target=worker, args=(args.rank, world_size, args))  # ours
-        p.start()  # ours: (above)
-        p.join()  # ours: (above)
-        sys.exit(rpc_harness.exit_status(p))  # ours: the rank's status, with its line
-    mp.spawn(worker, args=(world_size, args), nprocs=world_size, join=True)  # ours: args, join
+    args = extras.parse_args()  # ours: the recipe has no command line (extras.py)
+    # Run 2 RPC workers.
+    world_size = args.world_size  # ours: --world_size, 2 by default
+    # ours: one rank (--rank, or torchrun's), as the other RPC tutorials start one
+    if args.rank is not None:
+        p = mp.Process(target=worker, args=(args.rank, world_size, args))
+        p.start()
+        p.join()
+        sys.exit(p.exitcode if p.exitcode >= 0 else 128 - p.exitcode)
+    mp.spawn(worker, args=(world_size, args), nprocs=world_size)  # ours: args

@@ -1,61 +1,192 @@
-"""rpc_profiling: the recipe's log lines and files, every rank's profile, and one timeline in
-which the callee's operators fall inside the caller's spans of the RPCs that ran them."""
+"""rpc_profiling: the recipe's log lines and trace, each rank's --profile trace (in which the
+callee's operators fall inside the caller's spans of the RPCs that ran them), the summary, bad
+input, and the folder copied alone into a Python without this project."""
 
-import importlib.util
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT, TCP, find_free_port, run_example
+from conftest import (
+    ALONE,
+    ROOT,
+    Run,
+    copy_example,
+    find_free_port,
+    merge,
+    outside_imports,
+    read_traces,
+    records_every_thread,
+)
+from example_modules import load_example
 
-from rpc_harness import profiling
-from rpc_harness.compat import profiler_options
+extras = load_example("rpc_profiling", "extras")
 
-# --------- Pure logic, in-process --------------------
-
-def kineto_trace(base_s, pid, events):
-    """A trace as torch.profiler writes it: metadata, its bookkeeping tracks, then events (name,
-    ts in us after baseTimeNanoseconds, dur) of one CPU process and, at pid 0, of a GPU."""
-    return {"baseTimeNanoseconds": base_s * 10**9, "traceEvents": [
-        {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": "python"}},
-        {"ph": "M", "name": "process_labels", "pid": pid, "args": {"labels": "CPU"}},
-        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "GPU 0"}},
-        {"ph": "X", "name": "PyTorch Profiler (0)", "pid": "Spans", "tid": 0, "ts": 0, "dur": 9},
-        {"ph": "i", "name": "Record Window End", "pid": "", "tid": "", "ts": 9},
-        *({"ph": "X", "name": name, "pid": event_pid, "tid": 7, "ts": ts, "dur": dur}
-          for name, event_pid, ts, dur in events)]}
-
-
-def test_merge_names_a_track_per_rank_and_puts_every_event_on_one_clock():
-    traces = {"worker0": kineto_trace(100, 4242, [("rpc_async#add", 4242, 1000.0, 50)]),
-              "worker1": {**kineto_trace(101, 777, [("aten::add", 777, 10.0, 5),
-                                                    ("kernel", 0, 12.0, 1)]),
-                          "clockOffsetNs": 2_000}}  # worker1's clock 2 us ahead
-    merged = profiling.merge(traces)
-    names = {e["pid"]: e["args"]["name"] for e in merged["traceEvents"]
-             if e["name"] == "process_name"}
-    assert names == {0: "worker0", 1: "worker1"}  # the GPU's events in worker1's track
-    work = {e["name"]: e for e in merged["traceEvents"] if e["ph"] == "X"}
-    assert set(work) == {"rpc_async#add", "aten::add", "kernel"}  # bookkeeping dropped
-    assert names[work["aten::add"]["pid"]] == names[work["kernel"]["pid"]] == "worker1"
-    # worker1's trace starts 1 s later and its clock runs 2 us ahead
-    assert work["aten::add"]["ts"] == pytest.approx(1_000_000 + 10.0 - 2)
-    assert work["rpc_async#add"]["ts"] == 1000.0
-    assert merged["baseTimeNanoseconds"] == 100 * 10**9
-    json.dumps(merged)  # a file Perfetto can read
+# A rank's line once its trace is written whole (check_timeline's, in conftest.py).
+PROFILED = r"^{name}: profiled, wrote .*{name}\.json \(\d+ kB\)"
+# worker0's summary of a run with --profile
+SUMMARY = (r"Summary: the recipe's profiles: \d+ events, \d+ of worker1; worker1's own profile: "
+           r"\d+ operators; [\d.]+ s in all")
 
 
-# --------- A whole run --------------------
+# --------- The command line, in-process --------------------
+
+def error_of(capsys, *argv):
+    """extras.parse_args's refusal of argv: status 2 and one line, argparse's error."""
+    with pytest.raises(SystemExit) as end:
+        extras.parse_args([str(word) for word in argv])
+    assert end.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and ": error: " in lines[0], lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world_size", 1], "argument --world_size/--world-size: must be at least 2, got 1"),
+    (["--world-size", "two"], "must be a whole number, got two"),
+    (["--rank", 2], "argument --rank: 2 is outside a world of 2 (ranks 0 to 1)"),
+    (["--rank", -1], "argument --rank: must be at least 0, got -1"),
+    (["--master_port", 0], "must be at least 1, got 0"),
+    (["--master-port", 65536], "must be a port from 1 to 65535, got 65536"),
+    (["--seed", -1], "argument --seed: must be at least 0, got -1"),
+    (["--world", 2], "unrecognized arguments: --world 2"),  # no abbreviations
+    (["--master_addr", "no-such-host.invalid"], "argument --master_addr: no such host"),
+])
+def test_bad_input_is_refused_in_one_line(capsys, argv, message):
+    assert message in error_of(capsys, *argv, "--master_port", find_free_port())
+
+
+def test_the_command_refuses_bad_input_before_any_rank_starts(runs):
+    run = runs.start("rpc_profiling", "--world_size", 2, "--rank", 2,
+                     "--master_port", find_free_port())
+    run.wait(timeout=60)
+    assert run.returncode == 2 and run.stdout == "", run.output
+    assert run.stderr == ("main.py: error: argument --rank: 2 is outside a world of 2 (ranks 0 "
+                          "to 1)\n")
+    assert not run.leftovers(grace=0)
+
+
+def test_bad_paths_are_refused_before_anything_starts(capsys, tmp_path):
+    port = ("--master_port", find_free_port())
+    assert error_of(capsys, "--summary_json", tmp_path / "missing" / "s.json", *port).endswith(
+        f"argument --summary_json: no such folder, {tmp_path / 'missing'}")
+    assert error_of(capsys, "--summary_json", tmp_path, *port).endswith(
+        f"argument --summary_json: {tmp_path} is a folder")
+    (tmp_path / "file").write_text("")
+    assert "argument --profile: cannot write in" in error_of(capsys, "--profile",
+                                                              tmp_path / "file" / "dir", *port)
+
+
+def test_a_port_in_use_is_refused_naming_it(capsys):
+    import socket
+
+    with socket.create_server(("localhost", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert error_of(capsys, "--master_port", port).endswith(
+            f"cannot listen on localhost:{port} (Address already in use): choose another "
+            "--master_port")
+        # a rank other than 0 does not host the port: nothing to check there
+        assert extras.parse_args(["--master_port", str(port), "--rank", "1"]).rank == 1
+
+
+def test_torchrun_gives_the_rank_the_world_and_the_store(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29765")
+    args = extras.parse_args([])
+    assert (args.rank, args.world_size, args.master_addr, args.master_port) == (
+        1, 3, "127.0.0.1", 29765)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert error_of(capsys).endswith("torchrun started 1 process: the recipe needs 2 "
+                                     "(--nproc_per_node 2)")
+
+
+def test_every_default_shows_in_help(capsys):
+    with pytest.raises(SystemExit):
+        extras.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("(default: 2)", "(default: localhost)", "(default: 29500)", "(default: 1)"):
+        assert shown in text
+
+
+# --------- The summary, in-process --------------------
+
+def fake_profile(*node_ids):
+    return SimpleNamespace(function_events=[SimpleNamespace(node_id=node) for node in node_ids])
+
+
+@pytest.fixture
+def fresh_figures(monkeypatch):
+    monkeypatch.setattr(extras, "recipe", {})
+    monkeypatch.setattr(extras, "ranks", {})
+
+
+def test_the_summary_line_and_its_figures(fresh_figures, capsys, tmp_path):
+    extras.say_what_the_recipes_profiles_hold(fake_profile(0, 1), fake_profile(-1), "worker1")
+    assert capsys.readouterr().out.startswith(
+        "The recipe's two profiles hold 3 events, 1 of them run on worker1 (torch ")
+    extras.report("worker1", {"operators": 26, "trace_bytes": 9000, "rss": 700})
+    args = SimpleNamespace(summary_json=str(tmp_path / "s.json"), started=0.0, world_size=2)
+    extras.summary(args, 1)  # not the coordinating rank: nothing
+    assert capsys.readouterr().out == ""
+    extras.summary(args, 0)
+    line = capsys.readouterr().out.strip()
+    assert re.fullmatch(r"Summary: the recipe's profiles: 3 events, 1 of worker1; worker1's own "
+                        r"profile: 26 operators; [\d.]+ s in all", line), line
+    figures = json.loads((tmp_path / "s.json").read_text())
+    # the keys that bench/versions.py and the tests read
+    assert figures["worker1_operators"] == 26 and figures["all_threads"] in (True, False)
+    assert figures["recipe_events"] == 3 and figures["recipe_remote_events"] == 1
+    assert figures["trace_bytes"] == {"worker1": 9000}
+    assert set(figures["peak_memory_mb"]) == {"worker0", "worker1"}
+
+
+def test_a_summary_that_cannot_be_written_says_so_after_the_figures(fresh_figures, capsys,
+                                                                       tmp_path):
+    extras.say_what_the_recipes_profiles_hold(fake_profile(), fake_profile(), "worker1")
+    args = SimpleNamespace(summary_json=str(tmp_path / "gone" / "s.json"), started=0.0,
+                           world_size=2)
+    with pytest.raises(SystemExit) as end:
+        extras.summary(args, 0)
+    assert end.value.code == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].startswith("Summary: the recipe's profiles: 0 events, 0 of worker1; ")
+    assert lines[-1].startswith(f"--summary_json {args.summary_json}: not written (")
+
+
+# --------- The folder alone --------------------
+
+def test_the_folder_imports_nothing_from_outside_it():
+    assert outside_imports(ROOT / "rpc_profiling") == []
+
+
+def run_alone(copy, *flags, timeout=180):
+    """The copied folder's plain command, in a Python where rpc_harness cannot be imported;
+    fails the test if it times out or leaves processes."""
+    run = Run([*ALONE, "main.py", *flags], cwd=copy)
+    run.wait(timeout)
+    alive = run.leftovers()
+    run.kill_session()
+    assert not alive, f"processes left running after {run.cmd}: {alive}"
+    return run
+
 
 @pytest.fixture(scope="module")
 def profiled_run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("profile")
-    run = run_example("rpc_profiling", "--profile", folder, "--master_port", find_free_port())
-    return run, folder
+    """The brief's smoke test: the folder copied alone, its every-rank command with --profile,
+    on the CPU, in a world of 2."""
+    top = tmp_path_factory.mktemp("alone")
+    copy = copy_example("rpc_profiling", top / "copy")
+    folder = top / "traces"
+    run = run_alone(copy, "--profile", folder, "--summary_json", top / "summary.json",
+                    "--master_port", find_free_port())
+    return run, folder, json.loads((top / "summary.json").read_text())
 
 
 def test_the_recipes_log_lines_and_trace(profiled_run):
-    run, folder = profiled_run
+    run, folder, _ = profiled_run
     assert run.returncode == 0, run.output
     for rank in (0, 1):
         lines = [f"DEBUG:root:worker{rank} successfully initialized RPC.",
@@ -65,57 +196,38 @@ def test_the_recipes_log_lines_and_trace(profiled_run):
         assert -1 not in positions and positions == sorted(positions), (rank, run.stdout)
     assert f"DEBUG:root:Wrote trace to {folder / 'trace.json'}" in run.stdout
     assert json.loads((folder / "trace.json").read_text())  # the recipe's trace, as it is now
-    # what the recipe's profiles hold on this torch, said in a line
     assert re.search(r"^The recipe's two profiles hold \d+ events, \d+ of them run on worker1",
                      run.stdout, re.M)
-    assert not re.search(r"USDT|ERROR:|\[W|Traceback", run.output), run.output  # no chatter
+    assert "Traceback" not in run.output and "ProcessGroup" not in run.output, run.output
 
 
-def test_every_rank_writes_its_trace_and_worker0_one_timeline(profiled_run):
-    run, folder = profiled_run
+def test_every_rank_writes_its_trace_and_worker0_the_summary(profiled_run):
+    run, folder, summary = profiled_run
     for name in ("worker0", "worker1"):
-        assert json.loads((folder / f"{name}.json").read_text())["traceEvents"]
-        assert re.search(rf"^{name}: Wrote trace to .*{name}\.json \(\d+ kB\)$", run.stdout,
-                         re.M)
+        assert re.search(PROFILED.format(name=name), run.stdout, re.M), run.stdout
         assert f"{name}: top operators (self CPU time)" in run.stdout
-    assert re.search(r"^Wrote the timeline of 2 ranks to .*timeline\.json \(\d+ kB\)",
-                     run.stdout, re.M)
-    merged = json.loads((folder / "timeline.json").read_text())
-    tracks = {e["args"]["name"] for e in merged["traceEvents"] if e["name"] == "process_name"}
-    assert {"worker0", "worker1"} <= tracks
-    assert re.search(r"^Summary: the recipe's profiles: \d+ events, \d+ of worker1; worker1's own "
-                     r"profile: \d+ operators; a timeline of 2 ranks; [\d.]+ s in all$",
-                     run.stdout, re.M)
-
-
-@pytest.mark.slow
-def test_one_rank_per_command_writes_the_same_files(tmp_path, runs):
-    """worker1 first, then worker0, each its own command: each writes its own trace, and
-    worker0, which gets worker1's over RPC, the timeline."""
-    common = ["--profile", tmp_path, "--master_port", find_free_port(), *TCP]
-    worker1 = runs.start("rpc_profiling", *common, "--rank", 1)
-    worker0 = runs.start("rpc_profiling", *common, "--rank", 0)
-    for run in (worker0, worker1):
-        run.wait(timeout=120)
-        assert run.returncode == 0, run.output
-        assert not run.leftovers()
-    assert "worker1: Wrote trace" in worker1.stdout and "Summary:" in worker0.stdout
-    tracks = {e["args"]["name"] for e in json.loads((tmp_path / "timeline.json").read_text())
-              ["traceEvents"] if e["name"] == "process_name"}
-    assert {"worker0", "worker1"} <= tracks
+    traces = read_traces(folder)  # what rpcrun merges: the ranks' traces, in rank order
+    assert list(traces) == ["worker0", "worker1"]
+    assert not list(folder.glob(".*.json")) and not (folder / "timeline.json").exists()
+    # worker0's last line: after its rpc.shutdown (another rank's own last line may follow)
+    lines = run.stdout.splitlines()
+    ends = [number for number, line in enumerate(lines) if line.startswith("Summary: ")]
+    assert len(ends) == 1 and lines.index("DEBUG:root:Rank 0 shutdown RPC") < ends[0]
+    assert re.fullmatch(SUMMARY, lines[ends[0]]), lines[ends[0]]
+    assert summary["worker1_operators"] > 0 or not summary["all_threads"]
+    assert summary["all_threads"] == records_every_thread()
 
 
 def test_the_callees_operators_fall_inside_the_callers_spans(profiled_run):
     """On worker1's track, the operators that worker0's RPCs ran there, each inside worker0's
-    span of that RPC (one machine, one clock), where the installed torch records TensorPipe's
-    threads; where it cannot, the run says so."""
-    run, folder = profiled_run
-    _, all_threads = profiler_options()
-    if not all_threads:
-        assert "records the main thread only" in run.stdout
-        pytest.skip("this torch's profiler records no thread but the main one (no "
+    span of that RPC (one machine, one clock), where this torch records TensorPipe's threads;
+    where it cannot, the run says so."""
+    run, folder, _ = profiled_run
+    if not records_every_thread():
+        assert "records only the thread that started the profiler" in run.stdout
+        pytest.skip("this torch's profiler records no thread but the one that started it (no "
                     "profile_all_threads): worker1's RPC work cannot be in its trace")
-    events = json.loads((folder / "timeline.json").read_text())["traceEvents"]
+    events = merge(read_traces(folder))["traceEvents"]
     tracks = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     spans = {e["name"].split("#")[1].split("(")[0]: e for e in events
              if tracks.get(e.get("pid")) == "worker0" and e["name"].startswith("rpc_async#")}
@@ -135,24 +247,20 @@ def test_the_callees_operators_fall_inside_the_callers_spans(profiled_run):
     assert inside(udf, "aten::add") and inside(udf, "aten::mul")
 
 
-# --------- The picture of a timeline (bench/draw_timeline.py) --------------------
+# --------- One rank per command --------------------
 
-def test_the_picture_of_a_stored_timeline(tmp_path):
-    spec = importlib.util.spec_from_file_location("draw_timeline",
-                                                  ROOT / "bench" / "draw_timeline.py")
-    draw = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(draw)
-    merged = profiling.merge({
-        "worker0": kineto_trace(100, 4242, [("rpc_async#aten::add(worker0 -> worker1)", 4242,
-                                             0.0, 1900), ("aten::set_", 4242, 1600.0, 10)]),
-        "worker1": kineto_trace(100, 777, [("aten::add", 777, 1100.0, 40),
-                                           ("aten::mul", 777, 9000.0, 40)])})
-    tracks = draw.lanes(merged)
-    assert list(tracks) == ["worker0", "worker1"]  # rank order
-    assert draw.window(tracks, "rpc_async#", "rpc_async#") == (0.0, 1900.0)
-    assert draw.window(tracks) == (0.0, 9040.0)
-    with pytest.raises(SystemExit, match="no event named nothing"):
-        draw.window(tracks, "nothing")
-    (tmp_path / "timeline.json").write_text(json.dumps(merged))
-    draw.main([str(tmp_path / "timeline.json"), str(tmp_path / "t.png"), "--first", "rpc_"])
-    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+@pytest.mark.slow
+def test_one_rank_per_command_writes_the_same_files(tmp_path, runs):
+    """worker1 first, then worker0, each its own plain command: each writes its own trace, and
+    worker0's command ends with the summary, which has worker1's figures."""
+    common = ["--profile", tmp_path, "--master_port", find_free_port()]
+    worker1 = runs.start("rpc_profiling", *common, "--rank", 1)
+    worker0 = runs.start("rpc_profiling", *common, "--rank", 0)
+    for run in (worker0, worker1):
+        run.wait(timeout=180)
+        assert run.returncode == 0, run.output
+        assert not run.leftovers()
+    assert re.search(PROFILED.format(name="worker1"), worker1.stdout, re.M), worker1.stdout
+    assert "Summary:" not in worker1.stdout
+    assert re.fullmatch(SUMMARY, worker0.stdout.splitlines()[-1]), worker0.stdout
+    assert list(read_traces(tmp_path)) == ["worker0", "worker1"]
