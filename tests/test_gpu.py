@@ -105,3 +105,38 @@ def test_pipelining_stages_train_on_two_gpus_over_nccl(tmp_path):
     for figures in summary["schedules"].values():
         assert figures["2"]["last_loss"] < figures["2"]["first_loss"], summary
         assert all(memory["cuda"] > 0 for memory in summary["peak_memory_mb"].values())
+
+
+def test_cuda_rpc_shares_one_gpu_through_the_map_0_to_0(tmp_path):
+    """cuda_rpc/ with both workers on cuda:0: the map {0: 0} (the default on one GPU, asked for
+    with --device_map where there are more). A tensor that worker0 sends from cuda:0 arrives on
+    worker1's cuda:0, and the reply on worker0's cuda:0, with no .cpu() on either side."""
+    flags = [] if GPUS == 1 else ["--device_map", "0:0"]
+    finished, summary = run("cuda_rpc", tmp_path, *flags, "--iterations", 3)
+    first = finished.stdout.splitlines()[0]
+    assert first.endswith(": worker0 and worker1 share cuda:0, with the device map {0: 0} from "
+                          "worker0 to worker1"), finished.stdout
+    assert re.search(r"^cpu RPC total execution time: \S+\ncuda RPC total execution time: \S+$",
+                     finished.stdout, re.M), finished.stdout
+    assert ("worker0 sent a tensor on cuda:0: it arrived on worker1's cuda:0, and worker1's "
+            "reply arrived on worker0's cuda:0") in finished.stdout
+    assert summary["device_map"] == {"0": 0}
+    assert summary["devices"] == {"worker0": "cuda:0", "worker1": "cuda:0"}
+    assert summary["landed"] == {"sent": "cuda:0", "landed": "cuda:0", "reply": "cuda:0"}
+    assert summary["peak_memory_mb"]["worker0"]["cuda"] > 0, summary
+
+
+@two_gpus
+def test_cuda_rpc_runs_the_recipes_map_0_to_1(tmp_path):
+    """cuda_rpc/ as the recipe runs it: worker0 on cuda:0, worker1 on cuda:1, the map {0: 1}. A
+    tensor from worker0's cuda:0 arrives on worker1's cuda:1; the reply, through the inverse
+    map, on worker0's cuda:0."""
+    finished, summary = run("cuda_rpc", tmp_path, "--iterations", 3)
+    assert finished.stdout.splitlines()[0] == (
+        f"{GPUS} GPUs here, the recipe's map: worker0 on cuda:0, worker1 on cuda:1, with the "
+        "device map {0: 1} from worker0 to worker1"), finished.stdout
+    assert ("worker0 sent a tensor on cuda:0: it arrived on worker1's cuda:1, and worker1's "
+            "reply arrived on worker0's cuda:0") in finished.stdout
+    assert summary["device_map"] == {"0": 1}
+    assert summary["landed"] == {"sent": "cuda:0", "landed": "cuda:1", "reply": "cuda:0"}
+    assert summary["seconds"]["cpu"] > 0 and summary["seconds"]["cuda"] > 0
