@@ -1,21 +1,23 @@
 """Combining Distributed DataParallel with Distributed RPC Framework, the tutorial's first
-revision (2020): its code, in the order of the pytorch/examples script it came from (the model
-first; the page shows run_worker first). With N trainers (world size N + 2): ranks 0..N-1 are the
-trainers, rank N the master, rank N+1 the parameter server ps, which holds an nn.EmbeddingBag;
-each trainer looks its bags up there through RPC and runs an nn.Linear replicated under DDP.
-remote_module.py is the 2021 revision, with a RemoteModule.
+revision (2020): the code of the pytorch/examples script it came from, in the script's order
+(the model first; the page shows run_worker first). With N trainers (world size N + 2): ranks
+0..N-1 are the trainers, rank N the master, rank N+1 the parameter server ps, which holds an
+nn.EmbeddingBag; each trainer looks its bags up there through RPC and runs an nn.Linear
+replicated under DDP. remote_module.py is the 2021 revision, with a RemoteModule.
 
 Each line that is not the tutorial's ends with "# ours:" and why, or sits in a block under a
-comment that says so. What is not the lesson (the command line, which the tutorial does not
-have, the ranks' names, each trainer's device, the bags' indices, each epoch's loss and the
-run's summary) is in extras.py. README.md says what differs from the tutorial and why.
+comment that says so. What is not the lesson (the flags, each trainer's device, the bags'
+indices, each epoch's loss, --profile and the run's summary) is in extras.py. README.md says
+what differs from the tutorial and why.
 
     python main.py                                          # every rank on this machine
     python main.py --world_size=4 --rank=3                  # one rank per terminal
+    torchrun --nproc_per_node=4 main.py                     # torchrun starts the ranks
 """
 
 import os
 import random
+import sys  # ours: the command's exit status
 
 import torch
 import torch.distributed as dist
@@ -23,26 +25,32 @@ import torch.distributed.autograd as dist_autograd
 from torch.distributed.optim import DistributedOptimizer
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
+from torch.distributed.rpc import TensorPipeRpcBackendOptions
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 import torch.optim as optim
 
-import rpc_harness  # ours: this project's package: `make run` installs it (or `pip install -e .`)
-import extras  # ours: what is not the lesson: devices, the bags' indices, the summary, the flags
+import extras  # ours: what is not the lesson: the flags, devices, the bags, the summary
 
 NUM_EMBEDDINGS = 100
 EMBEDDING_DIM = 16
 
-
 class HybridModel(torch.nn.Module):
-    # The sparse part, the nn.EmbeddingBag on ps (emb_rref), and the dense part, an nn.Linear
-    # that every trainer holds a replica of, kept the same on all by DistributedDataParallel.
+    r"""
+    The model consists of a sparse part and a dense part. The dense part is an
+    nn.Linear module that is replicated across all trainers using
+    DistributedDataParallel. The sparse part is an nn.EmbeddingBag that is
+    stored on the parameter server.
+
+    The model holds a Remote Reference to the embedding table on the parameter
+    server.
+    """
 
     def __init__(self, emb_rref, device):
         super(HybridModel, self).__init__()
         self.emb_rref = emb_rref
-        # ours: the trainer's GPU (the tutorial's cuda:device) or, without one, the CPU: .to,
-        # not .cuda, and device_ids for a GPU only
+        # ours: the trainer's GPU (the tutorial's cuda:device) or, without one each, the CPU:
+        # .to, not .cuda, and device_ids for a GPU only
         device = extras.trainer_device(device)
         self.fc = DDP(torch.nn.Linear(16, 8).to(device), device_ids=extras.gpu_ids(device))
         self.device = device
@@ -51,28 +59,33 @@ class HybridModel(torch.nn.Module):
         emb_lookup = self.emb_rref.rpc_sync().forward(indices, offsets)
         return self.fc(emb_lookup.to(self.device))  # ours: .to, not .cuda: the CPU too
 
-
-def _retrieve_embedding_parameters(emb_rref):  # ours: the script's one line, for the page's loop
-    return [RRef(p) for p in emb_rref.local_value().parameters()]  # ours: (above)
+def _retrieve_embedding_parameters(emb_rref):
+    return [RRef(p) for p in emb_rref.local_value().parameters()]
 
 
 def _run_trainer(emb_rref, rank, args):  # ours: args, the run's length and seed
-    # A trainer's loop, which the master starts: the lookup on ps, then nn.Linear here. In the
-    # backward pass, DDP averages the dense gradients across the trainers, and distributed
-    # autograd takes the table's to ps.
+    r"""
+    Each trainer runs a forward pass which involves an embedding lookup on the
+    parameter server and running nn.Linear locally. During the backward pass,
+    DDP is responsible for aggregating the gradients for the dense part
+    (nn.Linear) and distributed autograd ensures gradients updates are
+    propagated to the parameter server.
+    """
 
-    # the model: the table on ps, the dense layer here under DDP
+    # Setup the model.
     model = HybridModel(emb_rref, rank)
 
-    # RRefs to every parameter, for DistributedOptimizer: the table's, from ps,
+    # Retrieve all model parameters as rrefs for DistributedOptimizer.
+
+    # Retrieve parameters for embedding table.
     model_parameter_rrefs = rpc.rpc_sync(
             "ps", _retrieve_embedding_parameters, args=(emb_rref,))
 
-    # and the local ones (model.parameters() holds only these)
+    # model.parameters() only includes local parameters.
     for param in model.parameters():
         model_parameter_rrefs.append(RRef(param))
 
-    # the distributed optimizer, over both
+    # Setup distributed optimizer
     opt = DistributedOptimizer(
         optim.SGD,
         model_parameter_rrefs,
@@ -82,12 +95,11 @@ def _run_trainer(emb_rref, rank, args):  # ours: args, the run's length and seed
     criterion = torch.nn.CrossEntropyLoss()
     random.seed(args.seed * 1000 + rank)  # ours: this trainer's own batches, the same every run
 
-    # the tutorial's random bags: 20 to 50 indices, in bags of 1 to 10
     def get_next_batch(rank):
         for _ in range(args.batches_per_epoch):  # ours: --batches_per_epoch, the tutorial's 10
             num_indices = random.randint(20, 50)
 
-            # the bags' offsets
+            # Generate offsets.
             offsets = []
             start = 0
             batch_size = 0
@@ -103,36 +115,45 @@ def _run_trainer(emb_rref, rank, args):  # ours: args, the run's length and seed
             indices = extras.bag_indices(random, target, offsets, num_indices, NUM_EMBEDDINGS)
             yield indices, offsets_tensor, target
 
-    progress = extras.Progress(model.fc)  # ours: each epoch's loss; the summary's figures
+    progress = extras.Progress(model.fc, args)  # ours: each epoch's loss; --profile's steps
 
+    # Train for 100 epochs
     for epoch in range(args.epochs):  # ours: --epochs, the tutorial's 100 by default
+        # create distributed autograd context
         for indices, offsets, target in get_next_batch(rank):
-            rpc_harness.profile_step()  # ours: --profile's window; nothing without --profile
-            # each iteration in a distributed autograd context of its own
             with dist_autograd.context() as context_id:
                 output = model(indices, offsets)
                 loss = criterion(output, target)
 
-                # the backward pass, across ps and the trainers
+                # Run distributed backward pass
                 dist_autograd.backward(context_id, [loss])
 
-                # the step, where each parameter lives
+                # Tun distributed optimizer
                 opt.step(context_id)
 
-                # no zero_grad: each iteration's context holds its own gradients
-            progress.add(loss)  # ours: for the epoch's mean loss
+                # Not necessary to zero grads as each iteration creates a different
+                # distributed autograd context which hosts different grads
+            progress.add(loss)  # ours: for the epoch's mean loss, and --profile's step
         print("Training done for epoch {}".format(epoch))
-        progress.end_epoch(epoch)  # ours: "trainerR: epoch N loss L", and the figures so far
+        progress.end_epoch(epoch)  # ours: "trainerR: epoch N loss L"; the figures to the master
 
 
-@rpc_harness.watched  # ours: this rank ends in one line if it fails or loses a peer
 def run_worker(rank, world_size, args):  # ours: args
-    # Every rank runs this: it joins RPC (the trainers, their process group first), does its
-    # part, and leaves.
-    num_trainers = world_size - 2  # ours: --world_size's trainers (the tutorial: 2)
-    rpc_backend_options = rpc_harness.options(args)  # ours: the harness's meeting (not :29501)
+    r"""
+    A wrapper function that initializes RPC, calls the function, and shuts down
+    RPC.
+    """
+    torch.manual_seed(args.seed)  # ours: the same first weights every run
+    prof = extras.serving_profiler(args, rank, world_size)  # ours: --profile: master's, ps's
 
-    # Ranks 0..N-1 are the trainers, N the master, N+1 ps (the tutorial's N: 2).
+    # We need to use different port numbers in TCP init_method for init_rpc and
+    # init_process_group to avoid port conflicts.
+    rpc_backend_options = TensorPipeRpcBackendOptions()
+    # ours: --master_addr, and the port after --master_port (the tutorial: localhost:29501)
+    rpc_backend_options.init_method='tcp://{}:{}'.format(args.master_addr, args.master_port + 1)
+    num_trainers = world_size - 2  # ours: --world_size's trainers (the tutorial: 2)
+
+    # Rank 2 is master, 3 is ps and 0 and 1 are trainers.
     if rank == num_trainers:  # ours: the master (the tutorial: rank 2)
         rpc.init_rpc(
                 "master",
@@ -140,7 +161,7 @@ def run_worker(rank, world_size, args):  # ours: args
                 world_size=world_size,
                 rpc_backend_options=rpc_backend_options)
 
-        # the embedding table, built on ps
+        # Build the embedding table on the ps.
         emb_rref = rpc.remote(
                 "ps",
                 torch.nn.EmbeddingBag,
@@ -148,7 +169,7 @@ def run_worker(rank, world_size, args):  # ours: args
                 kwargs={"mode": "sum"})
         table_before = extras.table_weights(emb_rref)  # ours: for the summary: how far it moves
 
-        # the training loop on every trainer
+        # Run the training loop on trainers.
         futs = []
         for trainer_rank in range(num_trainers):  # ours: every trainer (the tutorial: [0, 1])
             trainer_name = "trainer{}".format(trainer_rank)
@@ -157,19 +178,18 @@ def run_worker(rank, world_size, args):  # ours: args
                     trainer_name, _run_trainer, args=(emb_rref, trainer_rank, args), timeout=0)
             futs.append(fut)
 
-        # until every trainer is done
+        # Wait for all training to finish.
         for fut in futs:
             fut.wait()
-        extras.report_table(table_before, emb_rref)  # ours: (above)
+        extras.report_table(table_before, emb_rref)  # ours: the table's change, for the summary
     elif rank < num_trainers:  # ours: the trainers (the tutorial: rank <= 1)
-        # the trainers' own process group, for DDP
-        # ours: NCCL on cuda:R, or Gloo (the tutorial: gloo), for the N trainers (the tutorial:
-        # 2); the store of RPC's meeting, on one port; --rpc_timeout bounds DDP's allreduce
+        # Initialize process group for Distributed DataParallel on trainers.
+        # ours: NCCL on cuda:R or Gloo, saying which and why (the tutorial: gloo), for the N
+        # trainers (the tutorial: 2); env://, as on its page (its script: tcp://localhost:29500)
         dist.init_process_group(
-            backend=extras.trainer_backend(rank, num_trainers), rank=rank, world_size=num_trainers,
-            init_method=rpc_harness.init_method(args), timeout=extras.process_group_timeout(args))
+            backend=extras.trainer_backend(rank, num_trainers), rank=rank, world_size=num_trainers)
 
-        # then RPC
+        # Initialize RPC.
         trainer_name = "trainer{}".format(rank)
         rpc.init_rpc(
                 trainer_name,
@@ -177,32 +197,43 @@ def run_worker(rank, world_size, args):  # ours: args
                 world_size=world_size,
                 rpc_backend_options=rpc_backend_options)
 
-        # a trainer waits for the master's RPC
+        # Trainer just waits for RPCs from master.
     else:
         rpc.init_rpc(
                 "ps",
                 rank=rank,
                 world_size=world_size,
                 rpc_backend_options=rpc_backend_options)
-        # ps does nothing itself: it answers the trainers
+        # parameter server do nothing
         pass
 
-    # until every RPC is done
+    # block until all rpcs finish
     rpc.shutdown()
-    if rank < num_trainers:  # ours: the trainers' process group ends too, after their
-        dist.destroy_process_group()  # ours: loop (it uses it until rpc.shutdown() returns)
+    # ours: the trainers' process group ends too (torch asks for it); then --profile's trace
+    # (the master's, ps's) and the master's summary
+    if rank < num_trainers:
+        dist.destroy_process_group()
+    extras.finish(args, rank, prof)
 
 
 if __name__=="__main__":
-    args = extras.parse_args()  # ours: the world size and this project's flags
-    os.environ['MASTER_ADDR'] = args.master_addr  # ours: where the ranks meet (the tutorial:
-    os.environ['MASTER_PORT'] = str(args.master_port)  # ours: localhost, ports 29500 and 29501)
-    rpc_harness.supervise(args)  # ours: this command ends in one line when a rank fails
-    mp.set_start_method("spawn")  # ours: --rank's process starts afresh, as mp.spawn's
-    world_size = args.world_size  # ours: --world_size, the tutorial's 4 by default
-    if args.rank is not None:  # ours: one rank (--rank, or torchrun's), as the other tutorials
-        p = mp.Process(target=run_worker, args=(args.rank, world_size, args))  # ours: (above)
-        p.start()  # ours: (above)
-        p.join()  # ours: (above)
-        raise SystemExit(rpc_harness.exit_status(p))  # ours: the rank's status, with its line
-    mp.spawn(run_worker, args=(world_size, args), nprocs=world_size, join=True)  # ours: args
+    # 2 trainers, 1 parameter server, 1 master.
+    # ours: the command line: the tutorial's world size as a flag, and extras.py's flags (one
+    # rank a terminal, torchrun, the run's length, the summary), checked; where ranks meet
+    parser = extras.parser()
+    parser.add_argument("--world_size", "--world-size", type=int, default=4,
+                        help="ranks: N-2 trainers (ranks 0 to N-3), the master, ps")
+    args = extras.parse_args(parser)
+    os.environ['MASTER_ADDR'] = args.master_addr
+    os.environ['MASTER_PORT'] = str(args.master_port)
+    world_size = args.world_size
+    # ours: with --rank (or under torchrun), this one rank, in a process of its own as the
+    # other tutorials start it (mp.Process); its status is the command's, 128 + N where signal
+    # N killed it, as a shell shows
+    if args.rank is not None:
+        mp.set_start_method("spawn")
+        p = mp.Process(target=run_worker, args=(args.rank, world_size, args))
+        p.start()
+        p.join()
+        sys.exit(p.exitcode if p.exitcode >= 0 else 128 - p.exitcode)
+    mp.spawn(run_worker, args=(world_size, args), nprocs=world_size, join=True)

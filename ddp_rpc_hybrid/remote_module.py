@@ -10,9 +10,10 @@ the lesson is in extras.py, which both share. README.md shows the two revisions 
 
     python remote_module.py                                 # 2 trainers, the master, ps
     python remote_module.py --world_size=4 --rank=3         # one rank per terminal
+    torchrun --nproc_per_node=4 remote_module.py            # torchrun starts the ranks
 """
 
-import os  # ours: MASTER_ADDR and MASTER_PORT, set in __main__ (the tutorial: run_worker)
+import os  # ours: MASTER_ADDR and MASTER_PORT, set in __main__
 import random
 import sys  # ours: the command's exit status
 
@@ -25,27 +26,31 @@ import torch.optim as optim
 from torch.distributed.nn import RemoteModule
 from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
+from torch.distributed.rpc import TensorPipeRpcBackendOptions
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import rpc_harness  # ours: this project's package: `make run` installs it (or `pip install -e .`)
-from extras import Progress, get_next_batch, parse_args, process_group_timeout  # ours: extras.py
-from extras import report_table, table_weights, trainer_backend, trainer_device  # ours: (above)
+import extras  # ours: what is not the lesson: the flags, devices, the bags, the summary
 
 NUM_EMBEDDINGS = 100
 EMBEDDING_DIM = 16
 
 
 class HybridModel(torch.nn.Module):
-    # The sparse part, a RemoteModule that holds the nn.EmbeddingBag on ps, and the dense part,
-    # an nn.Linear that every trainer holds a replica of, kept the same on all by
-    # DistributedDataParallel.
+    r"""
+    The model consists of a sparse part and a dense part.
+    1) The dense part is an nn.Linear module that is replicated across all trainers using
+    DistributedDataParallel.
+    2) The sparse part is a Remote Module that holds an nn.EmbeddingBag on the parameter server.
+    This remote model can get a Remote Reference to the embedding table on the parameter server.
+    """
 
     def __init__(self, remote_emb_module, device):
         super(HybridModel, self).__init__()
         self.remote_emb_module = remote_emb_module
-        device = trainer_device(device)  # ours: the rank's GPU (the tutorial's device), or the CPU
-        self.fc = DDP(torch.nn.Linear(16, 8).to(device),  # ours: .to: the CPU too; device_ids
-                      device_ids=[device] if device.type == "cuda" else None)  # ours: GPU's only
+        # ours: the trainer's GPU (the tutorial's cuda:device) or, without one each, the CPU:
+        # .to, not .cuda, and device_ids for a GPU only
+        device = extras.trainer_device(device)
+        self.fc = DDP(torch.nn.Linear(16, 8).to(device), device_ids=extras.gpu_ids(device))
         self.device = device
 
     def forward(self, indices, offsets):
@@ -54,22 +59,30 @@ class HybridModel(torch.nn.Module):
 
 
 def _run_trainer(remote_emb_module, rank, args):  # ours: args, the run's length and seed
-    # A trainer's loop, which the master starts: the lookup on ps, then nn.Linear here. In the
-    # backward pass, DDP averages the dense gradients across the trainers, and distributed
-    # autograd takes the table's to ps.
+    r"""
+    Each trainer runs a forward pass which involves an embedding lookup on the
+    parameter server and running nn.Linear locally. During the backward pass,
+    DDP is responsible for aggregating the gradients for the dense part
+    (nn.Linear) and distributed autograd ensures gradients updates are
+    propagated to the parameter server.
+    """
 
-    # the model: the table on ps, the dense layer here under DDP
+    # Setup the model.
     model = HybridModel(remote_emb_module, rank)
 
-    # RRefs to every parameter, for DistributedOptimizer: the table's, from the RemoteModule,
+    # Retrieve all model parameters as rrefs for DistributedOptimizer.
+
+    # Retrieve parameters for embedding table.
     model_parameter_rrefs = model.remote_emb_module.remote_parameters()
 
-    # and the dense layer's. Not model.parameters(): it would ask the RemoteModule for its
-    # parameters(), which it does not support (remote_parameters() is its way).
+    # model.fc.parameters() only includes local parameters.
+    # NOTE: Cannot call model.parameters() here,
+    # because this will call remote_emb_module.parameters(),
+    # which supports remote_parameters() but not parameters().
     for param in model.fc.parameters():
         model_parameter_rrefs.append(RRef(param))
 
-    # the distributed optimizer, over both
+    # Setup distributed optimizer
     opt = DistributedOptimizer(
         optim.SGD,
         model_parameter_rrefs,
@@ -77,38 +90,67 @@ def _run_trainer(remote_emb_module, rank, args):  # ours: args, the run's length
     )
 
     criterion = torch.nn.CrossEntropyLoss()
-    rng = random.Random(args.seed * 1000 + rank)  # ours: batches of its own, the same every run
-    progress = Progress(model.fc)  # ours: each epoch's loss; the summary's figures (extras.py)
+    random.seed(args.seed * 1000 + rank)  # ours: this trainer's own batches, the same every run
 
+    def get_next_batch(rank):
+        for _ in range(args.batches_per_epoch):  # ours: --batches_per_epoch, the tutorial's 10
+            num_indices = random.randint(20, 50)
+
+            # Generate offsets.
+            offsets = []
+            start = 0
+            batch_size = 0
+            while start < num_indices:
+                offsets.append(start)
+                start += random.randint(1, 10)
+                batch_size += 1
+
+            offsets_tensor = torch.LongTensor(offsets)
+            # ours: each bag's target first (.to, not .cuda(rank): the CPU too), then its
+            # indices, all of the target's class: random ones leave nothing to learn
+            target = torch.LongTensor([random.randrange(8) for _ in offsets]).to(model.device)
+            indices = extras.bag_indices(random, target, offsets, num_indices, NUM_EMBEDDINGS)
+            yield indices, offsets_tensor, target
+
+    progress = extras.Progress(model.fc, args)  # ours: each epoch's loss; --profile's steps
+
+    # Train for 100 epochs
     for epoch in range(args.epochs):  # ours: --epochs, the tutorial's 100 by default
-        for indices, offsets, target in get_next_batch(  # ours: the tutorial's bags, made
-                rng, args.batches_per_epoch, model.device, NUM_EMBEDDINGS):  # ours: learnable
-            rpc_harness.profile_step()  # ours: --profile's window; nothing without --profile
-            # each iteration in a distributed autograd context of its own
+        # create distributed autograd context
+        for indices, offsets, target in get_next_batch(rank):
             with dist_autograd.context() as context_id:
                 output = model(indices, offsets)
                 loss = criterion(output, target)
 
-                # the backward pass, across ps and the trainers
+                # Run distributed backward pass
                 dist_autograd.backward(context_id, [loss])
 
-                # the step, where each parameter lives
+                # Tun distributed optimizer
                 opt.step(context_id)
 
-                # no zero_grad: each iteration's context holds its own gradients
-            progress.add(loss)  # ours: for the epoch's mean loss
+                # Not necessary to zero grads as each iteration creates a different
+                # distributed autograd context which hosts different grads
+            progress.add(loss)  # ours: for the epoch's mean loss, and --profile's step
         print("Training done for epoch {}".format(epoch))
-        progress.end_epoch(epoch)  # ours: "trainerR: epoch N loss L", and the figures so far
+        progress.end_epoch(epoch)  # ours: "trainerR: epoch N loss L"; the figures to the master
 
 
-@rpc_harness.watched  # ours: this rank ends in one line if it fails or loses a peer
 def run_worker(rank, world_size, args):  # ours: args
-    # Every rank runs this: it joins RPC (the trainers, their process group first), does its
-    # part, and leaves.
-    num_trainers = world_size - 2  # ours: --world_size's trainers (the tutorial: 2)
-    rpc_backend_options = rpc_harness.options(args)  # ours: the harness's meeting (not :29501)
+    r"""
+    A wrapper function that initializes RPC, calls the function, and shuts down
+    RPC.
+    """
+    torch.manual_seed(args.seed)  # ours: the same first weights every run
+    prof = extras.serving_profiler(args, rank, world_size)  # ours: --profile: master's, ps's
 
-    # Ranks 0..N-1 are the trainers, N the master, N+1 ps (the tutorial's N: 2).
+    # We need to use different port numbers in TCP init_method for init_rpc and
+    # init_process_group to avoid port conflicts.
+    rpc_backend_options = TensorPipeRpcBackendOptions()
+    # ours: --master_addr, and the port after --master_port (the tutorial: localhost:29501)
+    rpc_backend_options.init_method = "tcp://{}:{}".format(args.master_addr, args.master_port + 1)
+    num_trainers = world_size - 2  # ours: --world_size's trainers (the tutorial: 2)
+
+    # Rank 2 is master, 3 is ps and 0 and 1 are trainers.
     if rank == num_trainers:  # ours: the master (the tutorial: rank 2)
         rpc.init_rpc(
             "master",
@@ -123,33 +165,34 @@ def run_worker(rank, world_size, args):  # ours: args
             args=(NUM_EMBEDDINGS, EMBEDDING_DIM),
             kwargs={"mode": "sum"},
         )
-        table = remote_emb_module.get_module_rref()  # ours: the summary's: how far the table
-        table_before = table_weights(table)  # ours: moves (the nn.EmbeddingBag itself, on ps)
+        # ours: for the summary: how far the table (the nn.EmbeddingBag itself, on ps) moves
+        table = remote_emb_module.get_module_rref()
+        table_before = extras.table_weights(table)
 
-        # the training loop on every trainer
+        # Run the training loop on trainers.
         futs = []
         for trainer_rank in range(num_trainers):  # ours: every trainer (the tutorial: [0, 1])
             trainer_name = "trainer{}".format(trainer_rank)
+            # ours: args; no time limit on training
             fut = rpc.rpc_async(
-                trainer_name, _run_trainer, args=(remote_emb_module, trainer_rank, args),  # ours
-                timeout=0,  # ours: args, above; no time limit on training (the harness bounds it)
+                trainer_name, _run_trainer, args=(remote_emb_module, trainer_rank, args),
+                timeout=0,
             )
             futs.append(fut)
 
-        # until every trainer is done
+        # Wait for all training to finish.
         for fut in futs:
             fut.wait()
-        report_table(table_before, table)  # ours: (above)
+        extras.report_table(table_before, table)  # ours: the table's change, for the summary
     elif rank < num_trainers:  # ours: the trainers (the tutorial: rank <= 1)
-        # the trainers' own process group, for DDP
-        backend = trainer_backend(rank, num_trainers)  # ours: NCCL on cuda:R, or Gloo
+        # Initialize process group for Distributed DataParallel on trainers.
+        # ours: NCCL on cuda:R or Gloo, saying which and why (the tutorial: gloo), for the N
+        # trainers (the tutorial: 2); env://, as main.py (the tutorial: tcp://localhost:29500)
         dist.init_process_group(
-            backend=backend, rank=rank, world_size=num_trainers,  # ours: the tutorial: gloo, 2;
-            init_method=rpc_harness.init_method(args),  # ours: and tcp://localhost:29500
-            timeout=process_group_timeout(args),  # ours: --rpc_timeout bounds DDP's allreduce
+            backend=extras.trainer_backend(rank, num_trainers), rank=rank, world_size=num_trainers
         )
 
-        # then RPC
+        # Initialize RPC.
         trainer_name = "trainer{}".format(rank)
         rpc.init_rpc(
             trainer_name,
@@ -158,7 +201,7 @@ def run_worker(rank, world_size, args):  # ours: args
             rpc_backend_options=rpc_backend_options,
         )
 
-        # a trainer waits for the master's RPC
+        # Trainer just waits for RPCs from master.
     else:
         rpc.init_rpc(
             "ps",
@@ -166,25 +209,36 @@ def run_worker(rank, world_size, args):  # ours: args
             world_size=world_size,
             rpc_backend_options=rpc_backend_options,
         )
-        # ps does nothing itself: it answers the trainers
+        # parameter server do nothing
         pass
 
-    # until every RPC is done
+    # block until all rpcs finish
     rpc.shutdown()
-    if rank < num_trainers:  # ours: the trainers' process group ends too, after their
-        dist.destroy_process_group()  # ours: loop (it uses it until rpc.shutdown() returns)
+    # ours: the trainers' process group ends too (torch asks for it); then --profile's trace
+    # (the master's, ps's) and the master's summary
+    if rank < num_trainers:
+        dist.destroy_process_group()
+    extras.finish(args, rank, prof)
 
 
 if __name__ == "__main__":
-    args = parse_args(remote_module=True)  # ours: main.py's command line (extras.py)
-    os.environ["MASTER_ADDR"] = args.master_addr  # ours: where the ranks meet (the tutorial:
-    os.environ["MASTER_PORT"] = str(args.master_port)  # ours: localhost, ports 29500 and 29501)
-    rpc_harness.supervise(args)  # ours: this command ends in one line when a rank fails
-    mp.set_start_method("spawn")  # ours: --rank's process starts afresh, as mp.spawn's
-    world_size = args.world_size  # ours: --world_size, the tutorial's 4 by default
-    if args.rank is not None:  # ours: one rank (--rank, or torchrun's), as the other tutorials
-        p = mp.Process(target=run_worker, args=(args.rank, world_size, args))  # ours: (above)
-        p.start()  # ours: (above)
-        p.join()  # ours: (above)
-        sys.exit(rpc_harness.exit_status(p))  # ours: the rank's status, with its line
-    mp.spawn(run_worker, args=(world_size, args), nprocs=world_size, join=True)  # ours: args
+    # 2 trainers, 1 parameter server, 1 master.
+    # ours: the command line: the tutorial's world size as a flag, and extras.py's flags (one
+    # rank a terminal, torchrun, the run's length, the summary), checked; where ranks meet
+    parser = extras.parser()
+    parser.add_argument("--world_size", "--world-size", type=int, default=4,
+                        help="ranks: N-2 trainers (ranks 0 to N-3), the master, ps")
+    args = extras.parse_args(parser, remote_module=True)
+    os.environ["MASTER_ADDR"] = args.master_addr
+    os.environ["MASTER_PORT"] = str(args.master_port)
+    world_size = args.world_size
+    # ours: with --rank (or under torchrun), this one rank, in a process of its own as the
+    # other tutorials start it (mp.Process); its status is the command's, 128 + N where signal
+    # N killed it, as a shell shows
+    if args.rank is not None:
+        mp.set_start_method("spawn")
+        p = mp.Process(target=run_worker, args=(args.rank, world_size, args))
+        p.start()
+        p.join()
+        sys.exit(p.exitcode if p.exitcode >= 0 else 128 - p.exitcode)
+    mp.spawn(run_worker, args=(world_size, args), nprocs=world_size, join=True)
