@@ -10,8 +10,9 @@ In a Markdown file, a sample output is a block between two comments:
     It took 8.1 s on 2 CPU cores.
     <!-- end -->
 
-The command runs from the repository's root with this Python; `&` between commands runs them
-at once, as terminals would, and the block shows the first one's output. {port} stands for a
+The command runs from the repository's root with this Python (`rpcrun` is `python -m
+rpc_harness`); `&` between commands runs them at once, as terminals would, and the block shows
+the first one's output. {port} stands for a
 free port, shown as 29500. A link such as [`run_worker`](main.py#L42) is pointed again at the
 line where `run_worker` is defined (def, class, or NAME = ...) in that file.
 
@@ -53,6 +54,8 @@ def run(command_line):
         words = shlex.split(command.replace("{port}", port))
         if words[0] == "python":
             words[0] = sys.executable
+        elif words[0] == "rpcrun":  # the supervisor's command, as `make setup` installs it
+            words[:1] = [sys.executable, "-m", "rpc_harness"]
         processes.append(subprocess.Popen(words, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
         time.sleep(0.5)  # one terminal after another

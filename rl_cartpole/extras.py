@@ -26,6 +26,13 @@ warnings.filterwarnings("ignore", message=r".*as a ProcessGroup\. This usage is 
 # is lost: left out too.
 warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each")
 
+# Every line of every rank written whole, in one write, as soon as it is printed: the ranks
+# share one terminal or file, and where Python writes a line's text and its newline apart
+# (PYTHONUNBUFFERED=1), another rank's line can fall between them. A terminal shows lines so
+# already; a file or pipe now does too.
+if hasattr(sys.stdout, "reconfigure"):
+    sys.stdout.reconfigure(line_buffering=True, write_through=False)
+
 # --------- The command line --------------------
 
 def at_least(low):

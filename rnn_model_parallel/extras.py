@@ -37,6 +37,13 @@ def _show_unless_torchscript_optimizer(message, *args, **kwargs):
 
 warnings.showwarning = _show_unless_torchscript_optimizer
 
+# Every line of every rank written whole, in one write, as soon as it is printed: the ranks
+# share one terminal or file, and where Python writes a line's text and its newline apart
+# (PYTHONUNBUFFERED=1), another rank's line can fall between them. A terminal shows lines so
+# already; a file or pipe now does too.
+if hasattr(sys.stdout, "reconfigure"):
+    sys.stdout.reconfigure(line_buffering=True, write_through=False)
+
 DESCRIPTION = (
     "Distributed RNN: ps (rank 0) holds the embedding table and the decoder, each trainer an "
     f"LSTM (and a model of its own). Without --corpus, a synthetic task of {SYNTHETIC_NTOKEN} "
