@@ -3,22 +3,26 @@ two shards on worker1 and worker2 (ranks 1 and 2); the master (rank 0) cuts each
 micro-batches and chains them through the shards with asynchronous RPCs, so that shard 1 works
 on micro-batch i+1 while shard 2 works on micro-batch i.
 
-Each line that is not the tutorial's ends with "# ours:" and why. What is not the lesson (where
-a shard runs, each batch's loss and seconds, the ranks' names, the run's summary, the command
-line) is in extras.py, the images in data.py. README.md says what differs from the tutorial and
-why; pipelining.py trains the same model with torch.distributed.pipelining.
+Each line that is not the tutorial's ends with "# ours:" and why, or follows a "# ours:" comment
+line. What is not the lesson (the run's flags, where a shard runs, each batch's loss and
+seconds, the summary, --profile) is in extras.py, the images in data.py. README.md says what
+differs from the tutorial and why; pipelining.py trains the same model with
+torch.distributed.pipelining.
 
-    python main.py                                          # every rank on this machine
-    python main.py --rank R                                 # one rank per terminal, R = 0, 1, 2
+    python main.py                                  # every rank on this machine
+    python main.py --world_size=3 --rank=R          # one rank per terminal, R = 0, 1, 2
+    torchrun --nproc_per_node=3 main.py             # torchrun's ranks
 """
 
 # ours: the imports at the top, as in the pytorch/examples script (the tutorial spreads them
 # over its steps, and leaves out RRef's)
+import argparse  # ours: the command line
 import os
 import sys  # ours: the command's exit status
 import threading
 import time
 
+import extras  # ours: what is not the lesson; first, so that its warning filter is set in time
 import torch
 import torch.nn as nn
 import torch.distributed.autograd as dist_autograd
@@ -30,9 +34,7 @@ from torch.distributed.rpc import RRef
 
 from torchvision.models.resnet import Bottleneck
 
-import rpc_harness  # ours: this project's package: `make run` installs it (or `pip install -e .`)
 from data import NUM_CLASSES, class_images  # ours: images of classes that can be learned
-from extras import Progress, choose_device, parse_args, zero_init_residuals  # ours: extras.py
 
 
 # --------- Step 1: Partition ResNet50 Model --------------------
@@ -60,9 +62,6 @@ class ResNetBase(nn.Module):
         self.dilation = 1
         self.groups = groups
         self.base_width = width_per_group
-        worker = rpc.get_worker_info()  # ours: the device, chosen on the shard's worker, whose
-        self.device = choose_device(worker.id, torch.cuda.device_count())  # ours: GPUs the master
-        print(f"{type(self).__name__} on {worker.name}, {self.device}")  # ours: cannot see
 
     def _make_layer(self, planes, blocks, stride=1):
         norm_layer = self._norm_layer
@@ -92,10 +91,12 @@ class ResNetBase(nn.Module):
 
 class ResNetShard1(ResNetBase):
     # the stem and the first two stages
-    def __init__(self, *args, **kwargs):  # ours: no device: ResNetBase chooses it (above)
+    def __init__(self, device, *args, **kwargs):
         super(ResNetShard1, self).__init__(
             Bottleneck, 64, num_classes=num_classes, *args, **kwargs)  # noqa: B026
 
+        self.device = extras.choose_device(device)  # ours: that GPU if here, else the CPU
+        print(f"ResNetShard1 on {rpc.get_worker_info().name}, {self.device}")  # ours: where
         self.seq = nn.Sequential(
             nn.Conv2d(3, self.inplanes, kernel_size=7, stride=2, padding=3, bias=False),
             self._norm_layer(self.inplanes),
@@ -110,8 +111,8 @@ class ResNetShard1(ResNetBase):
                 nn.init.kaiming_normal_(m.weight, mode='fan_out', nonlinearity='relu')
             elif isinstance(m, nn.BatchNorm2d):
                 nn.init.ones_(m.weight)  # ours: the script's, for nn.init.constant_(m.weight, 1)
-                nn.init.zeros_(m.bias)  # ours: and nn.init.constant_(m.bias, 0)
-        zero_init_residuals(self)  # ours: each block starts as the identity, to train at 0.05
+                nn.init.zeros_(m.bias)  # ours: and for nn.init.constant_(m.bias, 0)
+        extras.zero_init_residuals(self)  # ours: each block starts as the identity, to learn
 
     def forward(self, x_rref):
         x = x_rref.to_here().to(self.device)
@@ -122,10 +123,12 @@ class ResNetShard1(ResNetBase):
 
 class ResNetShard2(ResNetBase):
     # the last two stages, the pooling and the classifier
-    def __init__(self, *args, **kwargs):  # ours: no device: ResNetBase chooses it (above)
+    def __init__(self, device, *args, **kwargs):
         super(ResNetShard2, self).__init__(
             Bottleneck, 512, num_classes=num_classes, *args, **kwargs)  # noqa: B026
 
+        self.device = extras.choose_device(device)  # ours: that GPU if here, else the CPU
+        print(f"ResNetShard2 on {rpc.get_worker_info().name}, {self.device}")  # ours: where
         self.seq = nn.Sequential(
             self._make_layer(256, 6, stride=2),
             self._make_layer(512, 3, stride=2),
@@ -133,7 +136,7 @@ class ResNetShard2(ResNetBase):
         ).to(self.device)
 
         self.fc = nn.Linear(512 * self._block.expansion, num_classes).to(self.device)
-        zero_init_residuals(self)  # ours: each block starts as the identity, to train at 0.05
+        extras.zero_init_residuals(self)  # ours: each block starts as the identity, to learn
 
     def forward(self, x_rref):
         x = x_rref.to_here().to(self.device)
@@ -148,16 +151,16 @@ class DistResNet50(nn.Module):
     # the two shards as one nn.Module, whose forward pass pipelines the micro-batches
     # ours: split_size, the script's, for the tutorial's num_split: forward() reads
     # self.split_size, which the tutorial never sets
-    def __init__(self, split_size, workers, *args, **kwargs):  # ours: (above)
+    def __init__(self, split_size, workers, *args, **kwargs):
         super(DistResNet50, self).__init__()
 
-        self.split_size = split_size  # ours: (above)
+        self.split_size = split_size  # ours: the script's, for the tutorial's num_split
 
         # shard 1, built on the first worker
         self.p1_rref = rpc.remote(
             workers[0],
             ResNetShard1,
-            args = args,  # ours: no device: each shard chooses its own, on its worker
+            args = ("cuda:0",) + args,
             kwargs = kwargs
         )
 
@@ -165,7 +168,7 @@ class DistResNet50(nn.Module):
         self.p2_rref = rpc.remote(
             workers[1],
             ResNetShard2,
-            args = args,  # ours: no device: each shard chooses its own, on its worker
+            args = ("cuda:1",) + args,
             kwargs = kwargs
         )
 
@@ -191,11 +194,11 @@ class DistResNet50(nn.Module):
 
 # --------- Step 3: Define The Training Loop --------------------
 
-def run_master(num_split, args):  # ours: the number of micro-batches, and the flags
+def run_master(num_split, args):  # ours: the flags too
     split_size = -(-args.batch_size // num_split)  # ours: the size (rounded up) for num_split
 
-    # the shards, on worker1 and worker2
-    model = DistResNet50(split_size, ["worker1", "worker2"])  # ours: split_size (DistResNet50)
+    # put the two model parts on worker1 and worker2 respectively
+    model = DistResNet50(split_size, ["worker1", "worker2"])  # ours: split_size (above)
     loss_fn = nn.CrossEntropyLoss()  # ours: class indices; MSELoss on one-hot labels diverged
     opt = DistributedOptimizer(
         optim.SGD,
@@ -203,37 +206,34 @@ def run_master(num_split, args):  # ours: the number of micro-batches, and the f
         lr=args.lr,  # ours: --lr, the tutorial's 0.05 by default
     )
 
-    batches = class_images(args.num_batches, args.batch_size,  # ours: data.py's images, the
-                           args.image_size, args.seed)  # ours: (above) same for every num_split
-    progress = Progress(num_split)  # ours: each batch's loss and seconds; the summary's figures
+    # ours: data.py's images and labels, the same for every num_split (the tutorial: random)
+    batches = class_images(args.num_batches, args.batch_size, args.image_size, args.seed)
+    progress = extras.Progress(f"num_split {num_split}")  # ours: each batch's loss and seconds
 
-    for i, (inputs, labels) in enumerate(batches):  # ours: (above)
-        rpc_harness.profile_step()  # ours: --profile's window; nothing without --profile
+    for i, (inputs, labels) in enumerate(batches):  # ours: data.py's batches
         print(f"Processing batch {i}")
-        progress.start()  # ours: (above)
+        progress.start()  # ours: each batch's seconds
 
         # Distributed autograd keeps this step's gradients under context_id, where the
         # DistributedOptimizer finds them.
         with dist_autograd.context() as context_id:
             outputs = model(inputs)
-            loss = loss_fn(outputs, labels)  # ours: kept, to print it
-            dist_autograd.backward(context_id, [loss])  # ours: (above)
+            # ours: the loss kept, to print it
+            loss = loss_fn(outputs, labels)
+            dist_autograd.backward(context_id, [loss])
             opt.step(context_id)
-        progress.end(i, loss)  # ours: each batch's loss and seconds (extras.py)
-    progress.report()  # ours: the summary's figures (extras.py)
+        progress.end(i, loss)  # ours: its line
+        extras.profile_step()  # ours: a step done: --profile records steps 3 to 5
+    progress.report(str(num_split))  # ours: the summary's figures
 
 
 # --------- Step 4: Launch RPC Processes --------------------
 
-@rpc_harness.watched  # ours: this rank ends in one line if it fails or loses a peer
 def run_worker(rank, world_size, args):  # ours: args, the flags
-    os.environ['MASTER_ADDR'] = args.master_addr  # ours: --master_addr, not 'localhost'
-    os.environ['MASTER_PORT'] = str(args.master_port)  # ours: --master_port, not '29500'
-    torch.manual_seed(args.seed + rank)  # ours: the shards' first weights, on the workers
-
-    # ours: TensorPipe's options, with --rpc_timeout and --rpc_transport; the ranks meet through
-    # the harness, which bounds every wait and watches the other ranks (README.md)
-    options = rpc_harness.options(args, num_worker_threads=128)  # ours: (above)
+    os.environ['MASTER_ADDR'] = args.master_addr  # ours: --master_addr, 'localhost' by default
+    os.environ['MASTER_PORT'] = args.master_port  # ours: --master_port, '29500' by default
+    torch.manual_seed(args.seed)  # ours: the shards' first weights, the same each run
+    options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=128)
 
     if rank == 0:
         rpc.init_rpc(
@@ -242,6 +242,7 @@ def run_worker(rank, world_size, args):  # ours: args, the flags
             world_size=world_size,
             rpc_backend_options=options
         )
+        extras.start_profile(args, rank, "master", loops=True)  # ours: --profile DIR
         run_each_num_split(args)  # ours: every --num_split in this one world (below)
     else:
         rpc.init_rpc(
@@ -250,30 +251,47 @@ def run_worker(rank, world_size, args):  # ours: args, the flags
             world_size=world_size,
             rpc_backend_options=options
         )
-        # a worker does nothing itself: it runs what the master calls on its shard
+        extras.start_profile(args, rank, f"worker{rank}")  # ours: --profile DIR
         pass
+    store = extras.hold_store(args, rank)  # ours: rank 0's store, kept for rpc.shutdown()
 
-    # until every RPC is done
+    # block until all rpcs finish
     rpc.shutdown()
+    extras.finish(args, rank, store)  # ours: the store let go; --profile's trace; the summary
 
 
-def run_each_num_split(args):  # ours: the tutorial's __main__ loop, run by the master
-    for num_split in args.num_split:  # ours: (above), in one world, so that --rank runs them all
+# ours: the tutorial's __main__ loop, run by the master in one world, so that a rank that
+# --rank or torchrun starts runs them all (the tutorial spawned a world for each num_split)
+def run_each_num_split(args):
+    for num_split in args.num_split:
         tik = time.time()
-        run_master(num_split, args)  # ours: (above); the tutorial spawned a world for each
+        run_master(num_split, args)  # ours: args
         tok = time.time()
         print(f"number of splits = {num_split}, execution time = {tok - tik}")
+    # ours: each rank's peak memory, for the summary
+    for name in ("master", "worker1", "worker2"):
+        extras.MEMORY[name] = rpc.rpc_sync(name, extras.peak_memory_mb)
 
 
-# ours: the tutorial's command, whose loop over num_split is now the master's (above)
 if __name__ == "__main__":
-    args = parse_args()  # ours: the command line, which the tutorial does not have (extras.py)
-    rpc_harness.supervise(args)  # ours: this command ends in one line when a rank fails
-    mp.set_start_method("spawn")  # ours: --rank's process starts afresh, as mp.spawn's
+    # ours: a command line (the tutorial has none): its world of 3, one rank or every rank,
+    # where they meet; extras.py adds the run's flags and checks them all
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--world_size", "--world-size", type=int, default=3,
+                        help="the master and its two workers")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="run this rank alone; unset: every rank (or torchrun's)")
+    parser.add_argument("--master_addr", "--master-addr", default="localhost",
+                        help="rank 0's address, where the ranks meet")
+    parser.add_argument("--master_port", "--master-port", default="29500",
+                        help="rank 0's port")
+    args = extras.parse_args(parser, 3, "the master, worker1 and worker2")
     world_size = args.world_size  # ours: --world_size, the tutorial's 3 (the only one taken)
-    if args.rank is not None:  # ours: one rank (--rank, or torchrun's), as the other tutorials
-        p = mp.Process(target=run_worker, args=(args.rank, world_size, args))  # ours: (above)
-        p.start()  # ours: (above)
-        p.join()  # ours: (above)
-        sys.exit(rpc_harness.exit_status(p))  # ours: the rank's status, with its line
+    # ours: one rank (--rank, or torchrun's), as the parameter-server tutorial starts its own
+    if args.rank is not None:
+        p = mp.Process(target=run_worker, args=(args.rank, world_size, args))
+        p.start()
+        p.join()
+        sys.exit(p.exitcode if p.exitcode >= 0 else 128 - p.exitcode)
     mp.spawn(run_worker, args=(world_size, args), nprocs=world_size, join=True)  # ours: args

@@ -2,25 +2,23 @@
 the same data with torch.distributed.pipelining, in the order and names of its tutorial,
 "Introduction to Distributed Pipeline Parallelism". Each rank is a stage (`stage0`, `stage1`);
 a schedule (GPipe, 1F1B) moves the micro-batches between them with send and recv, and the last
-stage owns the loss. No master, no RPC. README.md, "The same model with today's API", sets the
-two programs side by side. rpc_harness, this project's package, bounds every wait and ends every
-rank in one line when one fails; each of its names is explained where it is first used here.
+stage owns the loss. No master, no RPC: a process group, as the tutorial joins it.
 
 Built from that tutorial (README.md names its revision): its globals, init_distributed,
 manual_model_split, its schedule and steps. Each line that is not its code ends with, or
-follows, a "# ours:" comment that says why.
+follows, a "# ours:" comment that says why; extras.py holds the run's flags, the summary and
+--profile, as for main.py.
 
     python pipelining.py                                    # every stage on this machine
-    python pipelining.py --rank R                           # one stage per terminal, R = 0, 1
+    python pipelining.py --world_size=2 --rank=R            # one stage per terminal, R = 0, 1
     torchrun --nnodes 1 --nproc_per_node 2 pipelining.py    # as the tutorial starts them
 """
 
+import argparse  # ours: the command line
 import copy  # ours: torch 2.4's example shapes (example_args_for_torch_2_4)
-import datetime  # ours: the bound on each send and receive
 import inspect  # ours: what this torch's PipelineStage and schedules take
 import os
 import sys  # ours: the command's exit status
-import time  # ours: each batch's seconds
 
 import torch
 import torch.distributed as dist
@@ -30,13 +28,7 @@ import torch.optim as optim  # ours: a step (the page makes none)
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # ours: 1F1B
 from torchvision.models import resnet50  # ours: main.py's model (the page's: a Transformer)
 
-try:  # ours: this project's package, or one line that says how to install it
-    import rpc_harness
-except ModuleNotFoundError:  # ours: (above)
-    raise SystemExit("rpc_harness, this project's package, is missing: install it with "
-                     "`pip install -e PATH`, PATH being the repository's folder (the one that "
-                     "holds pyproject.toml), or run `make run` there") from None
-
+import extras  # ours: the run's flags, the summary, --profile
 from data import NUM_CLASSES, class_images  # ours: main.py's images
 
 # Setup: the model, then the globals of the distributed run
@@ -69,25 +61,16 @@ SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}  # ours: both, by --s
 rank = device = pp_group = stage_index = num_stages = None
 
 
-def init_distributed(this_rank, world_size, args):  # ours: the rank, world and flags
+def init_distributed():
     global rank, device, pp_group, stage_index, num_stages
-    # ours: the page reads its rank and world size, and init_process_group() where to meet,
-    # from what torchrun sets; here from the command line (under torchrun, torchrun's values).
-    os.environ['MASTER_ADDR'] = args.master_addr  # ours: (above)
-    os.environ['MASTER_PORT'] = str(args.master_port)  # ours: (above)
-    rank = this_rank  # ours: (above)
-    # ours: NCCL on cuda:R, or Gloo on the CPU (the page: cuda:R whenever CUDA exists, and
-    # init_process_group's default backend)
+    rank = int(os.environ["RANK"])  # ours: the global rank (the page's LOCAL_RANK: one machine)
+    world_size = int(os.environ["WORLD_SIZE"])
+    # ours: NCCL with stage R on cuda:R where every stage has a GPU, else Gloo on the CPU (the
+    # page: cuda:R wherever CUDA is, and torch's default backends)
     backend, device = choose_backend_and_device(rank, world_size, torch.cuda.device_count())
-    if device.type == "cuda":  # ours: (above)
-        torch.cuda.set_device(device)  # ours: (above)
-    # ours: rpc_harness.init_method(args): the ranks meet through rpc_harness, where
-    # MASTER_ADDR and MASTER_PORT say (as the default env:// would), with bounded waits, and
-    # every rank ends in one line when one is lost. timeout: the bound of each send, receive
-    # and collective, --rpc_timeout (torch's default is 30 minutes; 10 with NCCL).
-    dist.init_process_group(backend, rank=rank, world_size=world_size,  # ours: (above)
-                            init_method=rpc_harness.init_method(args),
-                            timeout=datetime.timedelta(seconds=args.rpc_timeout))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
 
     # This group can be a sub-group in the N-D parallel case
     pp_group = dist.new_group()
@@ -98,13 +81,13 @@ def init_distributed(this_rank, world_size, args):  # ours: the rank, world and 
 # Step 1: Partition the model
 
 def manual_model_split(model, example_input_microbatch) -> PipelineStage:  # ours: examples
-    examples = example_args_for_torch_2_4(model, example_input_microbatch)  # ours: (above)
+    examples = example_args_for_torch_2_4(model, example_input_microbatch)  # ours: torch 2.4
     if stage_index == 0:
         # prepare the first stage model
         model.shard2 = None  # ours: this model's half (the page deletes Transformer layers)
     elif stage_index == 1:
         # prepare the second stage model
-        model.shard1 = None  # ours: (above)
+        model.shard1 = None  # ours: this model's half (the page deletes Transformer layers)
 
     stage = PipelineStage(
         model,
@@ -137,44 +120,49 @@ def train(schedule_name, num_microbatches, args):
     loss_fn = nn.CrossEntropyLoss()
     schedule = SCHEDULES[schedule_name](stage, n_microbatches=num_microbatches, loss_fn=loss_fn)
 
-    losses_of_batches, seconds = [], []
+    progress = extras.Progress(f"{schedule_name}, n_microbatches {num_microbatches}")
     for i, (x, y) in enumerate(class_images(args.num_batches, args.batch_size, args.image_size,
                                             args.seed)):
-        rpc_harness.profile_step()  # --profile's window; nothing without --profile
-        started = time.perf_counter()
+        progress.start()
         opt.zero_grad()
-        if stage_index == 0:
+        losses = None
+        if rank == 0:
             schedule.step(x.to(device))
-        elif stage_index == num_stages - 1:
+        elif rank == 1:
             losses = []
             schedule.step(target=y.to(device), losses=losses)
         mean_of_microbatches_for_torch_2_4(model, num_microbatches)
         opt.step()
-        seconds.append(time.perf_counter() - started)
-        if stage_index == num_stages - 1:
-            losses_of_batches.append(torch.stack(losses).mean().item())
-            print(f"{schedule_name}, n_microbatches {num_microbatches}, batch {i}: loss "
-                  f"{losses_of_batches[-1]:.4f}, {seconds[-1]:.3f} s")
-    report(schedule_name, num_microbatches, losses_of_batches, seconds)  # the summary's figures
+        progress.end(i, losses and torch.stack(losses).mean())  # the last stage's line
+        extras.profile_step()  # a step done: --profile records steps 3 to 5
+    progress.report(f"{schedule_name} {num_microbatches}")  # the summary's figures
 
 
 # Step 3: Launch the distributed processes
 
-# ours: every rank runs this (the page's __main__ calls init_distributed, then trains once):
-# each --schedule and --num_split in turn
-@rpc_harness.watched  # ours: this rank ends in one line if it fails or loses a peer
+# ours: every rank runs this, as torchrun would start it: what torchrun sets in the environment
+# (the page reads its rank and world there, and init_process_group() where to meet); then
+# each --schedule and --num_split in turn (the page trains once); the summary, on rank 0
 def run_worker(rank, world_size, args):
-    init_distributed(rank, world_size, args)
+    os.environ['MASTER_ADDR'] = args.master_addr
+    os.environ['MASTER_PORT'] = args.master_port
+    os.environ['RANK'] = str(rank)
+    os.environ['WORLD_SIZE'] = str(world_size)
+    init_distributed()
     print(f"stage {stage_index} of {num_stages} on {device}")
-    for schedule_name in args.schedule:
-        for num_microbatches in args.num_split:
-            if schedule_name == "1F1B" and num_microbatches < num_stages:
-                continue  # refused by 1F1B; the command line said so
-            train(schedule_name, num_microbatches, args)
+    extras.start_profile(args, rank, f"stage{rank}", loops=True)
+    for schedule_name, num_microbatches in args.runs:
+        train(schedule_name, num_microbatches, args)
+    stages = [None] * world_size if rank == 0 else None
+    dist.gather_object({"name": f"stage{rank}", "memory": extras.peak_memory_mb(),
+                        "figures": extras.FIGURES}, stages, dst=0)
     dist.destroy_process_group()
+    extras.stop_profile()
+    if rank == 0:
+        extras.pipelining_summary(args, stages)
 
 
-# --------- ours: torch 2.4, devices, names, the summary ---------
+# --------- ours: torch 2.4 and the other torch versions, devices --------------------
 
 def example_args_for_torch_2_4(model, example_input_microbatch):
     """torch 2.4's PipelineStage wants its input and output as examples, where later versions
@@ -202,9 +190,25 @@ def mean_of_microbatches_for_torch_2_4(model, num_microbatches):
                 p.grad /= num_microbatches
 
 
-ONE_F_ONE_B_NEEDS = (f"1F1B over Gloo needs torch 2.8 or later, not {torch.__version__}: before, "
-                     "it waited for only one of each batch of sends and receives, and hung "
-                     "(pytorch/pytorch#132644)")
+def torch_minor(version=None):
+    """(2, 8) for torch 2.8.0+cu128 (the version string: this torch's, unless given)."""
+    return tuple(int(part) for part in (version or torch.__version__).split(".")[:2])
+
+
+# The torch minors whose GPipe, as 1F1B on every torch, needs a micro-batch per stage at least:
+# their schedules refuse fewer ("Number of microbatches (1) must be greater than or equal to the
+# number of stages (2)"). Each minor from 2.4 to 2.15 was run with one micro-batch and two
+# stages (README.md).
+GPIPE_NEEDS_ONE_PER_STAGE = ((2, 7), (2, 10))  # first and last such minor
+GPIPE_RUNS_FEWER = "torch 2.4 to 2.6 or 2.11 or later"  # what runs it with fewer
+
+
+def fewest_microbatches(schedule_name, stages, version=None):
+    """The fewest micro-batches a batch that this torch's schedule takes with `stages` stages."""
+    first, last = GPIPE_NEEDS_ONE_PER_STAGE
+    if schedule_name == "1F1B" or first <= torch_minor(version) <= last:
+        return stages
+    return 1
 
 
 def gloo_refused_at_start(gpu_count):
@@ -212,8 +216,7 @@ def gloo_refused_at_start(gpu_count):
     sending each neighbour an int64 and receiving a float32 (PipelineStage's
     _get_init_p2p_neighbors_ops), and Gloo, which checks sizes, aborts the process ("8 vs 4");
     2.8 and 2.10 do not (found by make versions)."""
-    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
-    if version != (2, 9) or choose_backend_and_device(0, 2, gpu_count)[0] == "nccl":
+    if torch_minor() != (2, 9) or choose_backend_and_device(0, 2, gpu_count)[0] == "nccl":
         return None
     return (f"pipelining.py cannot run over Gloo on torch {torch.__version__}: its schedules "
             "start with a send and a receive of different sizes, which Gloo refuses; use torch "
@@ -221,8 +224,9 @@ def gloo_refused_at_start(gpu_count):
 
 
 def one_f_one_b_works(gpu_count):
-    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
-    return version >= (2, 8) or choose_backend_and_device(0, 2, gpu_count)[0] == "nccl"
+    """1F1B over Gloo hangs before torch 2.8: it waited for only one of each batch of sends and
+    receives (pytorch/pytorch#132644). NCCL runs it."""
+    return torch_minor() >= (2, 8) or choose_backend_and_device(0, 2, gpu_count)[0] == "nccl"
 
 
 def choose_backend_and_device(stage_rank, num_stages, gpu_count):
@@ -233,148 +237,74 @@ def choose_backend_and_device(stage_rank, num_stages, gpu_count):
     return "gloo", torch.device("cpu")
 
 
-def stage_name(rank, world_size):
-    """Each rank's name, which the harness's messages and the summary use."""
-    return f"stage{rank}"
-
-
-def every_stage(rank, world_size):
-    """Every rank is a stage: each computes (they share the cores) and loops over the batches
-    (--profile records its steps)."""
-    return True
-
-
-def report(schedule_name, num_microbatches, losses, seconds):
-    """Seconds per batch, without the first batch (warm-up), and the
-    last stage's losses, for the run's summary, which rank 0 writes at the end."""
-    steady = seconds[1:] or seconds
-    figures = {"seconds_per_batch": round(sum(steady) / len(steady), 4)}
-    if losses:  # the last stage's
-        figures.update(first_loss=losses[0], last_loss=losses[-1])
-    rpc_harness.report(**{f"{schedule_name} {num_microbatches}": figures})
-
-
-def write_summary(args, reports):
-    """The run's figures and its line: each schedule's and count's seconds a batch and first
-    and last loss, from what the last stage reported."""
-    runs = reports[stage_name(args.world_size - 1, args.world_size)]
-    schedules = {}
-    for key, figures in runs.items():
-        schedule_name, num_microbatches = key.split()
-        schedules.setdefault(schedule_name, {})[num_microbatches] = figures
-    return ({"example": "pipeline_parallel/pipelining", "batch_size": args.batch_size,
-             "image_size": args.image_size, "num_batches": args.num_batches,
-             "schedules": schedules},
-            ", ".join(f"{key}: {s['seconds_per_batch']:.3f} s a batch, loss "
-                      f"{s['first_loss']:.3f} -> {s['last_loss']:.3f}" for key, s in runs.items()))
-
-
-# --------- ours: the tutorial's launch, with a command line --------------------
-
-def parse_args(argv=None):
-    """The command line (the tutorial has none: torchrun starts its 2 ranks), with this
-    project's flags, checked: bad input ends the command here in one line, status 2."""
-    # rpc_harness.ArgumentParser: argparse's, with every default in --help and errors in one
-    # line (status 2). rpc_harness.int_at_least(N), port_number and positive_float: argument
-    # types that refuse what a plain int or float would let through.
-    parser = rpc_harness.ArgumentParser(description=(
-        "The pipeline of main.py with torch.distributed.pipelining: a ResNet-50 in two stages, "
-        "stage0 and stage1, each a rank, trained with each --schedule and --num_split in turn."))
-    at_least = rpc_harness.int_at_least
-    parser.add_argument("--world_size", "--world-size", type=at_least(2), default=2,
-                        help="total number of processes: stage0 (rank 0) and stage1")
-    parser.add_argument("--rank", type=at_least(0), default=None,
-                        help="rank of this process, which is its stage. Without it, every rank "
-                             "starts here (or torchrun's RANK)")
-    parser.add_argument("--master_addr", "--master-addr",
-                        default=os.environ.get("MASTER_ADDR", "localhost"),
-                        help="address of rank 0, where every rank meets (localhost, or "
-                             "$MASTER_ADDR, which torchrun sets)")
-    parser.add_argument("--master_port", "--master-port", type=rpc_harness.port_number,
-                        default=os.environ.get("MASTER_PORT", "29500"),
-                        help="port of rank 0, where every rank meets (29500, or $MASTER_PORT, "
-                             "which torchrun sets)")
-    # This example's settings (those of main.py, and --schedule); then the
-    # flags that every example of this project has (timeouts, --seed, --summary_json,
-    # --profile), but --rpc_transport: there is no RPC here.
-    parser.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=None,
-                        help="pipeline schedules, timed in turn. Default: GPipe and 1F1B (GPipe "
-                             "alone where 1F1B hangs: over Gloo before torch 2.8)")
-    parser.add_argument("--num_split", "--num-split", type=at_least(1), nargs="+",
-                        default=[1, 2, 4, 8], metavar="N",
-                        help="micro-batches per batch (n_microbatches), each timed in turn; 1F1B "
-                             "needs at least one per stage, and runs only those")
-    parser.add_argument("--batch_size", "--batch-size", type=at_least(1), default=32,
-                        metavar="N", help="images per batch; every --num_split must divide it")
-    # >= 64: below, shard 2 ends at 1 x 1 pixel, where batch norm fails on a 1-image micro-batch
-    parser.add_argument("--image_size", "--image-size", type=at_least(64), default=64,
-                        metavar="PIXELS", help="height and width of the images")
-    parser.add_argument("--num_batches", "--num-batches", type=at_least(1), default=20,
-                        metavar="N", help="batches trained for each schedule and --num_split")
-    parser.add_argument("--lr", type=rpc_harness.positive_float, default=0.05, metavar="RATE",
-                        help="SGD learning rate")
-    rpc_harness.add_arguments(parser, rpc_transport=None)
-    args = parser.parse_args(argv)
-    # rpc_harness.check_args: what argparse cannot check (the world, the rank, the address and
-    # port, --profile's folder); torchrun's RANK and WORLD_SIZE stand for --rank and
-    # --world_size; args.harness records what rpc_harness needs in every rank.
-    rpc_harness.check_args(parser, args, stage_name, computes=every_stage, loops=every_stage,
-                           summary=write_summary)
-    check_schedules(parser, args)
-    return args
-
-
-def check_schedules(parser, args):
-    """Two stages; counts of micro-batches that divide a batch; the
-    schedules that this torch and these devices can run (args.schedule, when unset)."""
-    if args.world_size != 2:
-        parser.error(f"this example runs 2 ranks, one a stage (stage0 and stage1), not "
-                     f"--world_size {args.world_size}")
+def check_schedules(parser, args, gpu_count):
+    """Two stages; counts of micro-batches that divide a batch; the schedules that this torch
+    and these devices can run, and with how many micro-batches: args.runs, each (schedule,
+    count) that runs, in turn. What this torch cannot run at all is refused in one line; a count
+    that one schedule cannot take is skipped, saying so in one line."""
     uneven = [n for n in args.num_split if args.batch_size % n]
     if uneven:
         parser.error(f"--num_split {uneven[0]} does not divide the {args.batch_size} images of a "
                      f"batch (--batch_size): a stage's micro-batches must all have one shape")
-    refused = gloo_refused_at_start(torch.cuda.device_count())
+    refused = gloo_refused_at_start(gpu_count)
     if refused:
         parser.error(refused)
-    works = one_f_one_b_works(torch.cuda.device_count())
+    works = one_f_one_b_works(gpu_count)
     if args.schedule is None:
         args.schedule = list(SCHEDULES) if works else ["GPipe"]
     elif "1F1B" in args.schedule and not works:
-        parser.error(ONE_F_ONE_B_NEEDS)
-    if args.schedule == ["1F1B"] and max(args.num_split) < args.world_size:
-        parser.error(f"--schedule 1F1B needs at least {args.world_size} micro-batches (one per "
-                     f"stage), not --num_split {max(args.num_split)}")
-    if "1F1B" in args.schedule and min(args.num_split) < args.world_size:
-        print(f"1F1B runs with {args.world_size} micro-batches or more (one per stage) only")
+        parser.error(f"1F1B over Gloo needs torch 2.8 or later, not {torch.__version__}: before, "
+                     "it waited for only one of each batch of sends and receives, and hung "
+                     "(pytorch/pytorch#132644)")
+    fewest = {name: fewest_microbatches(name, args.world_size) for name in args.schedule}
+    args.runs = [(name, n) for name in args.schedule for n in args.num_split if n >= fewest[name]]
+    short = [name for name in args.schedule if min(args.num_split) < fewest[name]]
+    if not short:
+        return
+    few = " ".join(str(n) for n in args.num_split if n < args.world_size)
+    needs = (f"{' and '.join(short)} {'takes' if len(short) == 1 else 'take'} at least "
+             f"{args.world_size} micro-batches (one per stage)")
+    if "GPipe" in short:  # this torch's GPipe; every torch's 1F1B
+        needs = f"on torch {torch.__version__}, {needs}"
+    elsewhere = f"GPipe on {GPIPE_RUNS_FEWER}" if "GPipe" in short else ""
+    if not args.runs:
+        parser.error(f"--num_split {few}: {needs}: use --num_split {args.world_size} or more"
+                     + (f", or {elsewhere}" if elsewhere else ""))
+    print(f"--num_split {few} skipped for {' and '.join(short)}: {needs}"
+          + (f"; GPipe runs it on {GPIPE_RUNS_FEWER}" if elsewhere else ""))
 
 
 # ours: the command (the page starts its ranks with torchrun, which still works here)
 if __name__ == "__main__":
-    args = parse_args()
-    # When a rank fails or is killed, or on Ctrl-C or SIGTERM, this command stops the ranks it
-    # started and says why in one line.
-    rpc_harness.supervise(args)
-    # spawn, mp.spawn's own way: the rank that --rank names starts in a fresh interpreter too
-    mp.set_start_method("spawn")
+    # the command line (the page has none: torchrun starts its 2 ranks); extras.py adds the
+    # run's flags and checks them all
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="main.py's pipeline with torch.distributed.pipelining: a ResNet-50 in two "
+                    "stages, each a rank, trained with each --schedule and --num_split in turn.")
+    parser.add_argument("--world_size", "--world-size", type=int, default=2,
+                        help="stage0 (rank 0) and stage1")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="run this rank alone; unset: every rank (or torchrun's)")
+    parser.add_argument("--master_addr", "--master-addr", default="localhost",
+                        help="rank 0's address, where the ranks meet")
+    parser.add_argument("--master_port", "--master-port", default="29500",
+                        help="rank 0's port")
+    parser.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=None,
+                        help="pipeline schedules, in turn (unset: GPipe and 1F1B, or GPipe alone "
+                             "where 1F1B hangs: over Gloo before torch 2.8)")
+    args = extras.parse_args(parser, 2, "stage0 and stage1, a stage each")
+    check_schedules(parser, args, torch.cuda.device_count())
 
-    # The tutorial starts its ranks with `torchrun --nnodes 1 --nproc_per_node 2
-    # pipelining_tutorial.py`, which still works here (each torchrun process runs the rank that
-    # RANK names, below); without torchrun, this command starts them.
-    processes = []
     world_size = args.world_size
     if args.rank is None:
         # Every rank on this machine, as the RPC tutorials start theirs.
         mp.spawn(run_worker, args=(world_size, args), nprocs=world_size, join=True)
     else:
         # The one rank that --rank (or torchrun) names, in a process of its own, as the
-        # parameter-server tutorial starts its ranks.
+        # parameter-server tutorial starts its ranks; its exit status is the command's (a
+        # signal N: 128 + N, as a shell says)
         p = mp.Process(target=run_worker, args=(args.rank, world_size, args))
         p.start()
-        processes.append(p)
-
-        for p in processes:
-            p.join()
-        # The rank's exit status is the command's; rpc_harness.exit_status says, in one line,
-        # when a signal killed the rank (which then could not say it).
-        sys.exit(rpc_harness.exit_status(p))
+        p.join()
+        sys.exit(p.exitcode if p.exitcode >= 0 else 128 - p.exitcode)
