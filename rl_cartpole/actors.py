@@ -12,16 +12,16 @@ batch.py one.
 Built from main.py and batch.py, whose training it does, written as Monarch's documentation
 writes actors (https://meta-pytorch.org/monarch/, torchmonarch 0.7.0): Actor classes, async
 endpoints, calls to whole meshes. Each line that is neither their work nor Monarch's way of
-writing it, but this project's (bounded waits, --profile, the summary), is marked "# ours:".
+writing it, but this project's (bounded waits, --profile, the summary), is marked "# ours:";
+what those lines call is in monarch_extras.py. ACTORS.md says more.
 
     python actors.py                                # an agent and 1 observer
     python actors.py --world_size 5                 # an agent and 4 observers
 """
 
-import sys
+import argparse
 import time
 from itertools import count
-from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -29,27 +29,13 @@ import torch
 import torch.optim as optim
 from torch.distributions import Categorical
 
-try:  # ours: this project's package, or one line that says how to install it
-    from rpc_harness import monarch_runs
-except ModuleNotFoundError:  # ours: (above)
-    raise SystemExit("rpc_harness, this project's package, is missing: install it with "
-                     "`pip install -e PATH`, PATH being the repository's folder (the one that "
-                     "holds pyproject.toml), or run `make run` there") from None
+import batch
+import extras  # ours: the summary, as main.py's
+import monarch_extras  # ours: bounded waits, --workers, --profile, the end in one line
+from main import TOTAL_EPISODE_STEP, Policy
 
-# Monarch's own names. ours: monarch_runs.import_monarch() says in one line what is missing
-# (status 2) where torchmonarch is not installed.
-monarch = monarch_runs.import_monarch()  # ours: (above)
-import batch  # noqa: E402
-from monarch.actor import (  # noqa: E402
-    Actor,
-    current_rank,
-    endpoint,
-    this_proc,
-)
-
-from main import TOTAL_EPISODE_STEP, Policy  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
+monarch_extras.import_monarch()  # ours: one line (status 2) where torchmonarch is missing
+from monarch.actor import Actor, current_rank, endpoint, this_proc  # noqa: E402
 
 
 class Observer(Actor):
@@ -65,9 +51,8 @@ class Observer(Actor):
         # Gymnasium seeds through the first reset; seed + id, so that observers differ.
         self.seed = args.seed + self.id
         self.playing = False
-        # ours: --profile's window (start_profile, stop_profile)
-        self.recorder = monarch_runs.Recorder(args.profile, args.profile_steps, self.id,
-                                              f"observer{self.id}")
+        # ours: --profile: an observer serves, and records until stop_profile
+        self.prof = monarch_extras.profiler(args.profile, f"observer{self.id}", self.id, False)
 
     @endpoint
     async def reset(self):
@@ -88,27 +73,21 @@ class Observer(Actor):
         self.playing = not (terminated or truncated)
         return state, reward, not self.playing
 
-    # ours: the process's peak memory, for bench/, and --profile's window, which the
-    # controller opens and closes
-    @endpoint
-    async def peak_memory_mb(self):
-        return monarch_runs.peak_memory_mb()
-
-    @endpoint
-    async def start_profile(self):
-        self.recorder.start()
-
+    # ours: --profile's end, and the process's peak memory, for the summary
     @endpoint
     async def stop_profile(self):
-        self.recorder.stop()
+        self.prof.stop()
+
+    @endpoint
+    async def peak_memory_mb(self):
+        return extras.peak_memory_mb()
 
 
 class Agent(Actor):
     """The agent of main.py and batch.py: the same Policy, optimizer, gamma and update. It drives
     the observers itself. Each step it makes one forward pass for the states of every observer
     still playing (batch.py's; with one observer, main.py's select_action) and one call to the
-    observers' mesh with their actions. main.py's observers instead each make two RPCs a step,
-    and batch.py's one; this is one call for all of them."""
+    observers' mesh with their actions."""
 
     def __init__(self, num_observers, args):
         torch.manual_seed(args.seed)  # the initial policy, as main.py's agent
@@ -124,7 +103,8 @@ class Agent(Actor):
         self.gamma = args.gamma
         self.env_steps = 0
         self.call_timeout = args.call_timeout  # ours: the bound on each wait (answer)
-        self.recorder = monarch_runs.Recorder(args.profile, args.profile_steps, 0, "agent")  # ours
+        # ours: --profile: the agent loops, and records episodes 3 to 5
+        self.prof = monarch_extras.profiler(args.profile, "agent", 0, True)
 
     def select_actions(self, states):
         """One forward pass for {observer id: state}: {observer id: action}. The log-probabilities
@@ -137,9 +117,8 @@ class Agent(Actor):
         self.saved_log_probs.append((ob_ids, m.log_prob(actions)))
         return dict(zip(ob_ids, actions.tolist(), strict=True))
 
-    async def answer(self, call):  # ours: (above)
-        """The observers' answers; --call_timeout bounds the wait."""
-        return await monarch_runs.answer(call, self.call_timeout, "the observers")
+    async def answer(self, call):  # ours: --call_timeout bounds the wait for the observers
+        return await monarch_extras.answer(call, self.call_timeout, "the observers")
 
     @endpoint
     async def run_episode(self, observers, n_steps):
@@ -168,75 +147,34 @@ class Agent(Actor):
         """batch.py's finish_episode (main.py's update, from one tensor of log-probabilities);
         the controller also gets the running reward."""
         last_reward = batch.BatchAgent.finish_episode(self)
+        self.prof.step()  # ours: --profile's episodes
         return last_reward, self.running_reward, self.reward_threshold
 
     @endpoint
-    async def figures(self):
+    async def figures(self):  # ours: the summary's
+        self.prof.stop()  # and --profile's end, for a run of fewer than 5 episodes
         return {"env_steps": self.env_steps, "running_reward": self.running_reward,
                 "solved": self.running_reward > self.reward_threshold}
-
-    # ours: --profile's window, which the controller opens and closes
-    @endpoint
-    async def start_profile(self):
-        self.recorder.start()
-
-    @endpoint
-    async def stop_profile(self):
-        self.recorder.stop()
-
-
-# ours: profile and setup_process: --profile's window, and what each process needs
-def profile(agent, observers, endpoint_name, timeout):
-    """Open or close --profile's window on the agent and every observer (nothing without
-    --profile)."""
-    for actors, who in ((agent, "the agent"), (observers, "the observers")):
-        monarch_runs.get(getattr(actors, endpoint_name).call(), timeout, who)
-
-
-def setup_process():
-    """Runs first in every observer's process (spawn_procs' bootstrap): main.py importable there
-    too (a child process starts in this command's working folder), one thread (a policy this
-    small gains nothing from more, as in main.py), and each line it prints written whole
-    (monarch_runs.whole_lines)."""
-    sys.path.insert(0, str(HERE))
-    torch.set_num_threads(1)
-    monarch_runs.whole_lines()
 
 
 def main(args):
     num_observers = args.world_size - 1
-    torch.set_num_threads(1)  # ours: the agent, in this process, as setup_process()'s observers
-    # On this host (Monarch's this_host().spawn_procs), or, ours, on the hosts of --workers.
-    observer_procs = monarch_runs.spawn_procs(args, num_observers, bootstrap=setup_process)
+    # On this host (Monarch's this_host().spawn_procs); ours: or on the hosts of --workers, and
+    # each line of every process written whole
+    observer_procs = monarch_extras.spawn_procs(args, num_observers, monarch_extras.whole_lines)
     observers = observer_procs.spawn("observer", Observer, args)
     # this_proc(): the agent lives in this process, the controller's, as rank 0 in main.py.
     agent = this_proc().spawn("agent", Agent, num_observers, args)
-    timeout = args.call_timeout
-    # ours: each wait bounded, from here down (monarch_runs.get). The clock starts once every
-    # actor is up, as main.py's starts once its observers exist: the processes' start is not
-    # training.
-    monarch_runs.get(observers.initialized, args.init_timeout, "the observers' processes",
-                     "--init_timeout")
-    monarch_runs.get(agent.initialized, args.init_timeout, "the agent",
-                     "--init_timeout")
+    # The clock starts once every actor is up, as main.py's once its observers exist.
+    observers.initialized.get()
+    agent.initialized.get()
     started = time.perf_counter()
     for i_episode in count(1):
-        # ours: --profile's window, episodes 3 to 2 + --profile_steps
-        if i_episode - 1 == monarch_runs.WARMUP_STEPS:
-            profile(agent, observers, "start_profile", timeout)
-        if i_episode - 1 == monarch_runs.WARMUP_STEPS + args.profile_steps:
-            profile(agent, observers, "stop_profile", timeout)
-        # The agent plays an episode on every observer, main.py's number of steps at most.
+        # The agent plays an episode on every observer, main.py's number of steps at most. It
+        # bounds each of its calls to the observers (--call_timeout).
         n_steps = int(TOTAL_EPISODE_STEP / num_observers)
-        # The agent bounds each of its calls to the observers by --call_timeout, and says which
-        # did not answer; the episode, reset included, makes n_steps + 1 of them at most. So
-        # this bound is a backstop, which the agent's own bound always beats.
-        episode_bound = timeout * (n_steps + 1)
-        monarch_runs.get(agent.run_episode.call_one(observers, n_steps), episode_bound,
-                         "the agent")
-        finished = agent.finish_episode.call_one()
-        last_reward, running_reward, reward_threshold = monarch_runs.get(finished, timeout,
-                                                                         "the agent")
+        agent.run_episode.call_one(observers, n_steps).get()
+        last_reward, running_reward, reward_threshold = agent.finish_episode.call_one().get()
 
         if i_episode % args.log_interval == 0:
             print('Episode {}\tLast reward: {:.2f}\tAverage reward: {:.2f}'.format(
@@ -248,65 +186,67 @@ def main(args):
         if i_episode == args.max_episodes:  # ours: main.py's bound on the run
             print(f"Stopped after {i_episode} episodes (--max_episodes), unsolved")
             break
-    # ours: the run's summary, as main.py's, with each process's peak memory; --profile's end
+    # ours: the run's summary, as main.py's (extras.finish), with each process's peak memory
     seconds = time.perf_counter() - started
-    profile(agent, observers, "stop_profile", timeout)  # a run shorter than the window
-    if args.profile:
-        names = ["agent"] + [f"observer{i}" for i in range(1, num_observers + 1)]
-        print(monarch_runs.write_timeline(args.profile, names))
-    figures = monarch_runs.get(agent.figures.call_one(), timeout, "the agent")
-    memory = {"agent (controller)": monarch_runs.peak_memory_mb()}
-    observer_memory = monarch_runs.get(observers.peak_memory_mb.call(), timeout, "the observers")
+    figures = agent.figures.call_one().get()
+    monarch_extras.get(observers.stop_profile.call(), args.call_timeout, "the observers")
+    memory = {"agent (controller)": extras.peak_memory_mb()}
+    observer_memory = monarch_extras.get(observers.peak_memory_mb.call(), args.call_timeout,
+                                         "the observers")
     for point, megabytes in observer_memory.items():
         memory[f"observer{point.rank + 1}"] = megabytes
-    steps_per_second = figures["env_steps"] / seconds
-    mode = "monarch"
-    summary = {"example": "rl_cartpole", "mode": mode, "episodes": i_episode,
-               "last_reward": last_reward, **figures, "training_seconds": round(seconds, 3),
-               "observers": num_observers, "seed": args.seed, "gamma": args.gamma,
-               "steps_per_second": round(steps_per_second, 1)}
-    line = (f"{i_episode} episodes, {'solved' if figures['solved'] else 'not solved'}, "
-            f"running reward {running_reward:.2f}, {figures['env_steps']} environment steps at "
-            f"{steps_per_second:.1f} steps/s")
-    # The observers' processes stop, within --init_timeout; then the run's last line.
-    monarch_runs.get(observer_procs.stop(), args.init_timeout, "the observers' processes",
-                     "--init_timeout")
-    monarch_runs.write_summary(args, summary, line, memory)
+    extras.FIGURES.update(
+        example="rl_cartpole", mode="monarch", episodes=i_episode, last_reward=last_reward,
+        **figures, training_seconds=round(seconds, 3), observers=num_observers, gamma=args.gamma,
+        steps_per_second=round(figures["env_steps"] / seconds, 1), peak_memory_mb=memory)
+    # The observers' processes stop (ours: within --call_timeout); then the run's last line.
+    monarch_extras.get(observer_procs.stop(), args.call_timeout, "the observers' processes")
+    extras.finish(args, monarch_extras.NoProfile())
 
 
-# ours: the command line (main.py's flags, and Monarch's bounds on waiting)
+# ours: the command line (main.py's flags that apply, and Monarch's)
 def parse_args(argv=None):
     """main.py's flags that apply (no rank, address or port: this command starts every
-    process); this project's --seed and --summary_json; Monarch's bound on waiting. Bad input
+    process); this project's --max_episodes, --summary_json and --profile; Monarch's. Bad input
     ends the command here in one line (status 2)."""
-    parser = monarch_runs.ArgumentParser(
+    parser = argparse.ArgumentParser(
         description="main.py's agent and observers as Monarch actors: this command, the "
                     "controller, holds the agent and starts an observer actor in each of the "
                     "other processes.")
-    parser.add_argument('--world_size', '--world-size', default=2,
-                        type=monarch_runs.int_at_least(2), metavar='N',
-                        help='processes: the agent (this command) and the observers')
-    parser.add_argument('--log_interval', '--log-interval', default=10,
-                        type=monarch_runs.int_at_least(1), metavar='N',
-                        help='Log every log_interval episodes')
-    parser.add_argument('--gamma', default=0.99, type=monarch_runs.unit_interval, metavar='G',
-                        help='how much to value future rewards')
-    parser.add_argument('--seed', type=monarch_runs.int_at_least(0), default=1, metavar='N',
+    parser.add_argument('--world_size', '--world-size', type=extras.at_least(2), default=2,
+                        metavar='N', help='processes: the agent (this command) and the observers')
+    parser.add_argument('--gamma', type=float, default=0.99, metavar='G',
+                        help='discount factor')
+    parser.add_argument('--seed', type=extras.at_least(0), default=1, metavar='N',
                         help="random seed (main.py's, the tutorial's)")
-    parser.add_argument("--max_episodes", "--max-episodes", type=monarch_runs.int_at_least(1),
+    parser.add_argument('--log_interval', '--log-interval', type=extras.at_least(1), default=10,
+                        metavar='N', help='interval between training status logs')
+    parser.add_argument("--max_episodes", "--max-episodes", type=extras.at_least(1),
                         default=2000, metavar="N", help="stop, unsolved, after this many episodes")
-    monarch_runs.add_arguments(parser)
+    parser.add_argument("--summary_json", "--summary-json", metavar="PATH",
+                        help="write the run's figures to this JSON file at the end")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="write each process's torch.profiler trace to DIR/<its name>.json: "
+                             "the agent's episodes 3 to 5, an observer's whole run")
+    monarch_extras.add_arguments(parser)
     args = parser.parse_args(argv)
-    monarch_runs.check_args(parser, args, args.world_size - 1, "observers")
+    args.started = time.time()  # the summary's wall seconds
+    monarch_extras.check_workers(parser, args, args.world_size - 1, "observers")
+    if args.serve:
+        return args
+    if not 0 <= args.gamma <= 1:  # NaN too
+        parser.error(f"argument --gamma: must be from 0 to 1, got {args.gamma}")
+    if args.summary_json:
+        extras.check_file(parser, "--summary_json", args.summary_json)
+    if args.profile:
+        extras.check_folder(parser, "--profile", args.profile)
     return args
 
 
 if __name__ == "__main__":
     args = parse_args()
-    # ours: each line this process prints written whole, as in every actor's process
-    # (setup_process), so that two processes' lines never run into one
-    monarch_runs.whole_lines()
-    # ours: a failed or killed actor process, an endpoint's error, Ctrl-C or SIGTERM end this
-    # command and every process it started, in one line (docs/harness.md)
-    with monarch_runs.one_line_on_failure(role="observer"):
-        main(args)
+    monarch_extras.whole_lines()  # ours: each line written whole, as in Monarch's processes
+    if args.serve:  # ours: this host's processes, for a controller elsewhere (--workers)
+        monarch_extras.serve(args.serve)
+    # ours: a failed, killed or hung process ends the command in one line (monarch_extras.py)
+    monarch_extras.run(lambda: main(args), role="observer")

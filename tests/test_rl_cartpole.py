@@ -509,13 +509,16 @@ def test_actors_bad_input_is_one_line_and_status_2(capsys, argv, expected):
 
 @pytest.fixture(scope="module")
 def monarch_run(tmp_path_factory):
-    """The agent and one observer as Monarch actors, as long as the tutorial's run."""
+    """The agent and one observer as Monarch actors, as long as the tutorial's run: the folder
+    copied alone, `python actors.py` run from the copy with a Python where this project's
+    package cannot be imported. One thread a process, as rpcrun would give each on 2 cores."""
     needs_monarch()
     tmp = tmp_path_factory.mktemp("rl_monarch")
-    summary = tmp / "summary.json"
-    run = run_example("rl_cartpole", "--log_interval", 1, "--max_episodes", EPISODES,
-                      "--summary_json", summary, timeout=150, log_dir=tmp, script="actors.py")
-    return run, json.loads(summary.read_text()) if summary.exists() else None
+    copy = copy_example("rl_cartpole", tmp / "copy")
+    flags = ["--log_interval", 1, "--max_episodes", EPISODES, "--summary_json",
+             tmp / "summary.json", "--profile", tmp / "trace"]
+    run = Run([*ALONE, "actors.py", *flags], tmp, env={"OMP_NUM_THREADS": "1"}, cwd=copy)
+    return finish(run, timeout=150), summary_of(tmp)
 
 
 def test_actors_learn_as_main_py_does(monarch_run):
@@ -528,7 +531,15 @@ def test_actors_learn_as_main_py_does(monarch_run):
     assert summary["mode"] == "monarch" and summary["observers"] == 1
     assert summary["env_steps"] == sum(rewards) and summary["steps_per_second"] > 0
     assert set(summary["peak_memory_mb"]) == {"agent (controller)", "observer1"}
+    assert run.stdout.strip().splitlines()[-1].startswith(f"Summary: {EPISODES} episodes")
 
+
+def test_actors_profiled_timeline_shows_the_agent_choosing_actions(monarch_run):
+    """--profile: each process's trace; within the agent's episodes 3 to 5, its forward
+    passes."""
+    run, _ = monarch_run
+    check_timeline([run], run.log_dir / "trace", ["agent", "observer1"], "agent",
+                   ["aten::linear", "aten::addmm"])
 
 
 def test_actors_play_main_py_s_episodes(monarch_run, tutorial):
@@ -548,7 +559,7 @@ def test_actors_play_batch_py_s_episodes(batch, tmp_path):
     summary = tmp_path / "summary.json"
     run = run_example("rl_cartpole", "--world_size", 3, "--log_interval", 1,
                       "--max_episodes", 10, "--summary_json", summary, timeout=150,
-                      log_dir=tmp_path, script="actors.py")
+                      log_dir=tmp_path, script="actors.py", env={"OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.output
     assert json.loads(summary.read_text())["observers"] == 2
     assert EPISODE_LINE.findall(run.stdout) == EPISODE_LINE.findall(spawned.stdout)[:10]
