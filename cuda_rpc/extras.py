@@ -3,6 +3,7 @@ recipe has none) and its checks, the choice of devices and of the device map (th
 {0: 1} needs two GPUs), where a tensor lands on each side, and the run's summary."""
 
 import argparse
+import datetime
 import json
 import os
 import resource
@@ -13,6 +14,7 @@ import time
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 # init_rpc uses its agent's Gloo process group through an API that torch itself deprecated
@@ -122,8 +124,8 @@ def check_args(parser, args):
     """What argparse cannot check, before any worker starts; torchrun's rank and world; the
     devices and the device map."""
     args.started = time.time()  # the summary's wall seconds count from here
-    torchrun = args.rank is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if torchrun:  # run the one rank that torchrun started this process for
+    args.torchrun = args.rank is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.torchrun:  # run the one rank that torchrun started this process for
         for name in ("RANK", "WORLD_SIZE"):
             if not os.environ[name].isdigit():
                 parser.error(f"torchrun's {name} is {os.environ[name]}, not a number")
@@ -137,7 +139,7 @@ def check_args(parser, args):
         parser.error(f"argument --rank: {args.rank} is outside a world of {args.world_size} "
                      f"(ranks 0 to {args.world_size - 1})")
     check_devices(parser, args, torch.cuda.device_count())
-    if not torchrun and args.rank in (None, 0):  # this command hosts worker0, and its port
+    if not args.torchrun and args.rank in (None, 0):  # this command hosts worker0, and its port
         try:
             family = socket.getaddrinfo(args.master_addr, args.master_port)[0][0]
         except (OSError, UnicodeError):
@@ -283,3 +285,30 @@ def summary(args, rank):
             print(f"--summary_json {args.summary_json}: not written ({err.strerror or err}); "
                   "the Summary line has the run's figures", flush=True)
             sys.exit(1)
+
+
+# --------- ours: torch's store, kept until every rank is past rpc.shutdown() --------------------
+
+def hold_store(args, rank, port=None):
+    """torch's graceful rpc.shutdown() ends with a barrier on the store where the ranks met, in
+    rank 0's process, after which each rank reads a count there once more. Rank 0 may be first
+    past it and end, closing the store under a rank still reading it: that rank's
+    rpc.shutdown() fails ("Connection reset by peer", seen on a busy machine). So every rank
+    opens the store once more before rpc.shutdown() (rank 0's shares its server, as torch's
+    multi-tenant stores of one port do), and rank 0 keeps it until every rank says it is past
+    rpc.shutdown() (release_store). Under torchrun, its agent holds the store: nothing to do."""
+    if getattr(args, "torchrun", False):
+        return None
+    return dist.TCPStore(args.master_addr, int(port or args.master_port), is_master=rank == 0,
+                         multi_tenant=True, timeout=datetime.timedelta(seconds=60))
+
+
+def release_store(args, rank, store):
+    """After rpc.shutdown(): say so in the store; rank 0 waits until every rank has (60 s at
+    most), before its store closes."""
+    if store is None:
+        return
+    if store.add("ranks past rpc.shutdown", 1) == args.world_size:
+        store.set("every rank past rpc.shutdown", "")
+    if rank == 0:
+        store.wait(["every rank past rpc.shutdown"])

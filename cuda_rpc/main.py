@@ -90,8 +90,10 @@ def run_worker(rank, args):  # ours: args, the command line
             rpc_backend_options=options
         )
 
+    store = extras.hold_store(args, rank)  # ours: rank 0's store, kept for rpc.shutdown()
     # block until all rpcs finish
     rpc.shutdown()
+    extras.release_store(args, rank, store)  # ours: (extras.hold_store says why)
     extras.summary(args, rank)  # ours: worker0's last line, "Summary: ..." (extras.py)
 
 

@@ -207,8 +207,11 @@ def run_worker(rank, world_size, args):  # ours: args
         # parameter server do nothing
         pass
 
+    # ours: rank 0's store of RPC's join, kept for rpc.shutdown() (extras.hold_store)
+    store = extras.hold_store(args, rank, args.master_port + 1)
     # block until all rpcs finish
     rpc.shutdown()
+    extras.release_store(args, rank, store)  # ours: (extras.hold_store says why)
     # ours: the trainers' process group ends too (torch asks for it); then --profile's trace
     # (the master's, ps's) and the master's summary
     if rank < num_trainers:

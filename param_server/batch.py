@@ -236,8 +236,10 @@ def run(rank, world_size, args):  # ours: args, the flags
         )
         run_ps([f"trainer{r}" for r in range(1, world_size)], args)  # ours: args
 
+    store = extras.hold_store(args, rank)  # ours: rank 0's store, kept for rpc.shutdown()
     # block until all rpcs finish
     rpc.shutdown()
+    extras.release_store(args, rank, store)  # ours: (extras.hold_store says why)
     # ours: the parameter server's --profile trace, and the run's last line
     if rank == 0:
         prof.stop()

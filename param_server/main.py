@@ -160,7 +160,9 @@ def run_parameter_server(rank, world_size, args):  # ours: args, the flags
     print("PS master initializing RPC")
     rpc.init_rpc(name="parameter_server", rank=rank, world_size=world_size)
     print("RPC initialized! Running parameter server...")
+    store = extras.hold_store(args, rank)  # ours: rank 0's store, kept for rpc.shutdown()
     rpc.shutdown()
+    extras.release_store(args, rank, store)  # ours: (extras.hold_store says why)
     print("RPC shutdown on parameter server.")
     prof.stop()  # ours: --profile's trace of this rank
     extras.print_summary(args, "parameter_server")  # ours: the run's last line
@@ -262,7 +264,9 @@ def run_worker(rank, world_size, num_gpus, train_loader, test_loader, args):  # 
     run_training_loop(rank, num_gpus, train_loader, test_loader, args)  # ours: args
     # ours: this trainer's figures, for the summary that the parameter server prints
     rpc.rpc_sync("parameter_server", extras.report, args=(f"trainer_{rank}", extras.figures()))
+    store = extras.hold_store(args, rank)  # ours: rank 0's store, kept for rpc.shutdown()
     rpc.shutdown()
+    extras.release_store(args, rank, store)  # ours: (extras.hold_store says why)
 
 
 # --------- ours: every rank from one command (mp.spawn), as the other RPC tutorials -----

@@ -265,8 +265,10 @@ def run_worker(rank, world_size, args):  # ours: args, parsed once by the comman
         # other ranks are the observer
         rpc.init_rpc(OBSERVER_NAME.format(rank), rank=rank, world_size=world_size)
         profiler = extras.profile(args, loops=False)  # ours: --profile DIR; nothing without it
+    store = extras.hold_store(args, rank)  # ours: rank 0's store, kept for rpc.shutdown()
         # observers passively waiting for instructions from agents
     rpc.shutdown()
+    extras.release_store(args, rank, store)  # ours: (extras.hold_store says why)
     extras.finish(args, profiler)  # ours: --profile's trace; the agent's summary, last
 
 

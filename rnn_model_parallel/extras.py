@@ -5,6 +5,7 @@ marked "# ours:"; delete those lines and this file, and the tutorial's code is l
 data of data.py)."""
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import time
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from data import SYNTHETIC_NTOKEN, check_corpus
@@ -369,3 +371,30 @@ def finish(args, prof):
                   f"({error.strerror or error}); the Summary line has the run's figures",
                   file=sys.stderr, flush=True)
             sys.exit(1)
+
+
+# --------- ours: torch's store, kept until every rank is past rpc.shutdown() --------------------
+
+def hold_store(args, rank, port=None):
+    """torch's graceful rpc.shutdown() ends with a barrier on the store where the ranks met, in
+    rank 0's process, after which each rank reads a count there once more. Rank 0 may be first
+    past it and end, closing the store under a rank still reading it: that rank's
+    rpc.shutdown() fails ("Connection reset by peer", seen on a busy machine). So every rank
+    opens the store once more before rpc.shutdown() (rank 0's shares its server, as torch's
+    multi-tenant stores of one port do), and rank 0 keeps it until every rank says it is past
+    rpc.shutdown() (release_store). Under torchrun, its agent holds the store: nothing to do."""
+    if getattr(args, "torchrun", False):
+        return None
+    return dist.TCPStore(args.master_addr, int(port or args.master_port), is_master=rank == 0,
+                         multi_tenant=True, timeout=datetime.timedelta(seconds=60))
+
+
+def release_store(args, rank, store):
+    """After rpc.shutdown(): say so in the store; rank 0 waits until every rank has (60 s at
+    most), before its store closes."""
+    if store is None:
+        return
+    if store.add("ranks past rpc.shutdown", 1) == args.world_size:
+        store.set("every rank past rpc.shutdown", "")
+    if rank == 0:
+        store.wait(["every rank past rpc.shutdown"])

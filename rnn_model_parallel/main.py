@@ -106,8 +106,10 @@ def run_worker(rank, world_size, args):  # ours: args
         # parameter server does nothing
         pass
 
+    store = extras.hold_store(args, rank)  # ours: rank 0's store, kept for rpc.shutdown()
     # block until all rpcs finish
     rpc.shutdown()
+    extras.release_store(args, rank, store)  # ours: (extras.hold_store says why)
     extras.finish(args, prof)  # ours: --profile's trace; on ps, the summary as its last line
 
 

@@ -80,7 +80,9 @@ def worker(rank, world_size, args):  # ours: args, the command line
         extras.profile_until_worker0_is_done(args, rank, worker_name)
 
     logger.debug(f"Rank {rank} waiting for workers and shutting down RPC")
+    store = extras.hold_store(args, rank)  # ours: rank 0's store, kept for rpc.shutdown()
     rpc.shutdown()
+    extras.release_store(args, rank, store)  # ours: (extras.hold_store says why)
     logger.debug(f"Rank {rank} shutdown RPC")
     extras.summary(args, rank)  # ours: worker0's last line, "Summary: ..." (extras.py)
 
