@@ -188,6 +188,19 @@ def _profiled(summary, output):
     return "worker1's profile holds no operators"
 
 
+def _cuda_rpc_ran(summary, output):
+    """cuda_rpc: both of the recipe's modes were timed, and the test tensor went where the
+    device map sends it, and came back."""
+    devices = summary["devices"]
+    if not (summary["seconds"]["cpu"] > 0 and summary["seconds"]["cuda"] > 0):
+        return "a mode was not timed"
+    expected = {"sent": devices["worker0"], "landed": devices["worker1"],
+                "reply": devices["worker0"]}
+    if summary["landed"] != expected:
+        return f"the tensor landed on {summary['landed']}, not {expected}"
+    return None
+
+
 def _schedules(summary):
     return {name: figures["2"] for name, figures in summary["schedules"].items()}
 
@@ -249,7 +262,50 @@ PROGRAMS = [
                        last_of=lambda s: {k: v["last_loss"] for k, v in _schedules(s).items()}),
             2, PIPELINE_QUICK, refuses=lambda version: version.startswith("2.9.")),
     Program("rpc_profiling/main.py", 2, [], _profiled, 2, []),
+    Program("cuda_rpc/main.py", 2, ["--iterations", "3"], _cuda_rpc_ran, 2,
+            ["--iterations", "1"]),
 ]
+
+# The flags that make a run shorter (or say where it writes), which a cell may add to a command
+# that its README shows; any other flag picks another path (--num_split, --schedule,
+# --batch_update_size), and the command must be one that a README shows with it.
+SHORTENING = {"--max_batches", "--max_episodes", "--epochs", "--num_batches", "--iterations",
+              "--log_interval", "--world_size", "--summary_json", "--profile", "--master_port"}
+
+
+def shown_command(program, flags):
+    """The command that a README shows, of which a cell's run is a shortening: `flags` without
+    the SHORTENING flags and their values."""
+    words, skipping = [], False
+    for word in flags:
+        if word.startswith("--"):
+            skipping = word.split("=")[0] in SHORTENING
+            if skipping:
+                continue
+        elif skipping:
+            continue
+        words.append(word)
+    return ["python", program.key, *words]
+
+
+def commands_section():
+    """The page's list of what each cell ran: for each program, the command from one command
+    (the run that learns), and the smallest run that the other launch modes use."""
+    lines = ["## The commands", "",
+             "Each cell's runs, from the repository's root. The other launch modes run the "
+             "second command, with `--rank` (one rank a terminal) or under torchrun. Each is a "
+             "command that the program's README shows, with only flags that make it shorter "
+             "(" + ", ".join(f"`{flag}`" for flag in sorted(SHORTENING)) + ").", "",
+             "| program | from one command | the other launch modes |", "|---|---|---|"]
+    for program in PROGRAMS:
+        learn = " ".join(["python", program.key, "--world_size", str(program.world_size),
+                          *program.flags])
+        quick = "" if program.monarch else " ".join(
+            ["python", program.key, "--world_size", str(program.quick_world_size),
+             *program.quick])
+        lines.append(f"| `{program.key}` | `{learn}` | {f'`{quick}`' if quick else '–'} |")
+    lines.append("")
+    return lines
 
 
 # --------- Running one entry point in one mode --------------------
@@ -583,9 +639,10 @@ def run_environment(environment, record, runs, progress, args, state):
         record.setdefault("commits", [])
         if commit() not in record["commits"]:
             record["commits"].append(commit())
-        # The examples import rpc_harness from this checkout, before what PYTHONPATH held.
-        python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-        env_vars = {**os.environ, "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"}
+        # The examples run on the environment's packages alone: nothing of this checkout is on
+        # their path but their own folder (a folder copied alone runs the same way).
+        env_vars = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env_vars.pop("PYTHONPATH", None)
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env_vars.pop(name, None)
         monarch = record["versions"].get("torchmonarch") is not None
@@ -702,8 +759,8 @@ def write_report(state, path=REPORT, lent=None):
              "torch that has wheels for it.", "",
              "A cell is one program in one environment. It runs in every launch mode the "
              "program has: every rank from one command, a rank a terminal, and torchrun. The "
-             "Monarch programs run their own way. Each run is the README's first command, "
-             "made shorter by flags.", "",
+             "Monarch programs run their own way. Each run is a command that the program's "
+             "README shows, made shorter by flags only (the commands are below).", "",
              "- ✓: every run exited 0 and left nothing running. The run from one command, or "
              "the Monarch program's run, also learned what its tests check at that size. The "
              "other runs are the program's smallest, and wrote their summary.",
@@ -735,6 +792,7 @@ def write_report(state, path=REPORT, lent=None):
                   "tests (tests/test_gpu.py, `pytest -m gpu`). A – here means that the "
                   "machine did not have the package: torchmonarch was not installed there.", ""]
         lines += table(lent_columns, notes)
+    lines += commands_section()
     if notes:
         lines += ["## The notes", ""]
         for number, (label, key, failing) in enumerate(notes, 1):

@@ -66,3 +66,40 @@ def test_the_table_marks_each_cell_and_gives_each_failure_its_last_line(tmp_path
     gpu_section = text.split("## On a GPU machine")[1]
     assert "| `rl_cartpole/main.py` | ✗ 2 |" in gpu_section
     assert "`rl_cartpole/main.py`, GPU, torch 2.11.0, spawn-all: did not learn" in text
+
+
+def _without_shortening(words, shortening):
+    kept, skipping = [], False
+    for word in words:
+        if word.startswith("--"):
+            skipping = word.split("=")[0] in shortening
+            if skipping:
+                continue
+        elif skipping:
+            continue
+        kept.append(word)
+    return kept
+
+
+def test_every_run_is_a_command_that_a_readme_shows_made_shorter():
+    """Each cell's runs (bench/versions.py's PROGRAMS, and tests/conftest.py's short runs that
+    its other launch modes use) are commands that the program's pages show, with only flags
+    that make a run shorter added: never one that picks another path."""
+    import programs
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import versions as bench_versions
+
+    for program in bench_versions.PROGRAMS:
+        folder = ROOT / program.key.split("/")[0]
+        pages = [folder / "README.md", *folder.glob("ACTORS.md")]
+        shown = [_without_shortening(command.argv, bench_versions.SHORTENING)
+                 for page in pages
+                 for command in programs.commands(page, programs.code_on_page(page.read_text()))
+                 if command.script == program.key]
+        runs = [program.flags] if program.monarch else [program.flags, program.quick]
+        for flags in runs:
+            wanted = _without_shortening(flags, bench_versions.SHORTENING)
+            assert wanted in shown, (
+                f"{program.key} {' '.join(flags)}: no page shows `python {program.key} "
+                f"{' '.join(wanted)}` (shown: {shown})")
