@@ -85,6 +85,26 @@ def test_ddp_rpc_hybrid_trains_on_nccl(tmp_path, trainers):
         assert last < 0.7 * summary["first_loss"][name], summary
 
 
+def test_ddp_rpc_hybrid_remote_module_trains_on_nccl(tmp_path):
+    """The tutorial's 2021 revision (RemoteModule) on the same path: one trainer, NCCL on
+    cuda:0."""
+    _, summary = run("ddp_rpc_hybrid", tmp_path, "--world_size", 3, "--epochs", 5,
+                     script="remote_module.py")
+    assert summary["backend"] == "nccl"
+    assert summary["dense_weights_identical"] and summary["embedding_table_changed"]
+
+
+@pytest.mark.skipif(GPUS != 1, reason=f"the one-GPU fallback; this machine has {GPUS} GPU(s)")
+def test_ddp_rpc_hybrid_says_why_two_trainers_on_one_gpu_use_gloo(tmp_path):
+    """Two trainers and one GPU: NCCL needs a GPU a trainer, so Gloo on the CPU, said in each
+    trainer's first line."""
+    finished, summary = run("ddp_rpc_hybrid", tmp_path, "--world_size", 4, "--epochs", 3)
+    assert summary["backend"] == "gloo"
+    for trainer in (0, 1):
+        assert (f"trainer{trainer}: Gloo on the CPU, as 1 GPU cannot give each of the 2 "
+                "trainers its own") in finished.stdout
+
+
 def test_pipeline_parallel_puts_the_shards_on_the_gpus(tmp_path):
     """Each shard on a GPU of its worker's machine: with one GPU both share it."""
     finished, summary = run("pipeline_parallel", tmp_path, "--num_split", 2, "--batch_size", 16,
