@@ -271,18 +271,21 @@ SAMPLES = [(path, match) for path in MARKDOWN
 TABLE_RULE = re.compile(r"-+(?:  -+)* *")
 TABLE_END = re.compile(r"Self CPU time total: \S+")
 MONARCH_LOGS = re.compile(r"Monarch internal logs are being written to .*")
+# torch's own C++ logs, in the plain command's output: glog's "[W1128 05:41:20.93 file:line]"
+# and the profiler library's (Kineto) "USDT:2026-11-28 05:41:20 pid:tid file:line]"
+TORCH_LOGS = re.compile(r"\[[IWEF]\d{4} .*|(?:USDT|INFO|WARNING|ERROR):\d{4}-\d\d-\d\d .*")
 
 
 def own_lines(lines):
-    """The lines of a sample output that its program wrote (not empty, not torch's, not
-    Monarch's)."""
+    """The lines of a sample output that its program wrote (not empty, not torch's tables or
+    logs, not Monarch's)."""
     in_table = False
     for line in lines:
         if TABLE_RULE.fullmatch(line):
             in_table = True
         elif in_table:
             in_table = not TABLE_END.fullmatch(line)
-        elif line.strip() and not MONARCH_LOGS.fullmatch(line):
+        elif line.strip() and not MONARCH_LOGS.fullmatch(line) and not TORCH_LOGS.fullmatch(line):
             yield line
 
 

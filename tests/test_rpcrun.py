@@ -219,7 +219,7 @@ def test_ctrl_c_ends_every_rank_of_one_command(runs):
 # --------- The meeting --------------------
 
 def test_a_rank_that_never_comes_is_named_by_those_that_came(runs):
-    world = World(runs, 3, rpcrun_flags=["--join_timeout", 2])
+    world = World(runs, 3, "--seconds", 60, rpcrun_flags=["--join_timeout", 2])
     world.start(0)
     world.start(1)
     world.wait_all()
