@@ -52,41 +52,45 @@ test-oldest: $(OLDEST)/.installed
 	$(OLDEST)/bin/python -m pytest $(PYTEST_TWO) -m "not slow"
 	$(OLDEST)/bin/python -m pytest $(PYTEST_TWO) -m launch_modes
 
+# The tour: each program's README command, made shorter by flags only (batches, episodes,
+# epochs, and where to write), the plain command, as a reader runs it; the last one under rpcrun.
 # The parameter server trains on MNIST when it is in data/ or can be downloaded; otherwise
 # main.py exits 2 before starting any rank, and the tour runs it on the synthetic digits.
 # The Monarch programs exit 2 where Monarch has no wheel (Python 3.14, macOS), saying why: the
 # tour goes on without them. Their tour flags are fixed, so a 2 can only mean that.
 NO_MONARCH = { test $$? -eq 2 && echo "== skipped: Monarch is not installed here (the line above says why)"; }
-PS_TOUR := --epochs 1 --max_batches 60 --log_interval 20
+PS_TOUR := --max_batches 60 --log_interval 20
 run: $(VENV)/.run-installed
-	@echo "== param_server: 1 parameter server, 3 trainers"
-	@$(PY) param_server/main.py --dataset mnist $(PS_TOUR) || { test $$? -eq 2 && \
+	@echo "== param_server: 1 parameter server, 2 trainers"
+	@$(PY) param_server/main.py --world_size 3 --dataset mnist $(PS_TOUR) || { test $$? -eq 2 && \
 	  echo "== param_server: MNIST unavailable, using --dataset synthetic" && \
-	  $(PY) param_server/main.py --dataset synthetic $(PS_TOUR); }
+	  $(PY) param_server/main.py --dataset synthetic --world_size 3 $(PS_TOUR); }
 	@echo "== param_server/batch.py: the batch-updating server of the batch RPC tutorial, 3 trainers"
-	@$(PY) param_server/batch.py --dataset synthetic $(PS_TOUR)
+	@$(PY) param_server/batch.py --dataset synthetic --world_size 4 $(PS_TOUR)
 	@echo "== param_server/actors.py: batch.py's server and 3 trainers as Monarch actors"
-	@$(PY) param_server/actors.py --dataset synthetic $(PS_TOUR) || $(NO_MONARCH)
-	@echo "== rl_cartpole: an agent and 1 observer, then batch.py: 2 observers, batched actions"
-	@$(PY) rl_cartpole/main.py --max_episodes 30 --log_interval 10
-	@$(PY) rl_cartpole/batch.py --world_size 3 --max_episodes 20 --log_interval 10
-	@echo "== rl_cartpole/actors.py: the agent and 2 observers as Monarch actors"
-	@$(PY) rl_cartpole/actors.py --world_size 3 --max_episodes 20 --log_interval 10 || $(NO_MONARCH)
+	@$(PY) param_server/actors.py --dataset synthetic --world_size 4 $(PS_TOUR) || $(NO_MONARCH)
+	@echo "== rl_cartpole: an agent and 1 observer, then batch.py: 4 observers, batched actions"
+	@$(PY) rl_cartpole/main.py --max_episodes 20
+	@$(PY) rl_cartpole/batch.py --world_size 5 --max_episodes 20 --log_interval 10
+	@echo "== rl_cartpole/actors.py: the agent and 1 observer as Monarch actors"
+	@$(PY) rl_cartpole/actors.py --max_episodes 20 --log_interval 10 || $(NO_MONARCH)
 	@echo "== rnn_model_parallel: embedding table and decoder on ps, LSTM on the trainer"
-	@$(PY) rnn_model_parallel/main.py --epochs 5
+	@$(PY) rnn_model_parallel/main.py --epochs 3
 	@echo "== rnn_model_parallel: the same model as a word-level language model on a text"
 	@$(PY) rnn_model_parallel/main.py --corpus rnn_model_parallel/README.md --emsize 64 \
 	  --nhid 64 --bptt 35 --batch_size 20 --epochs 5
 	@echo "== ddp_rpc_hybrid: 2 trainers under DDP, a master, an EmbeddingBag on ps"
-	@$(PY) ddp_rpc_hybrid/main.py --epochs 20
+	@$(PY) ddp_rpc_hybrid/main.py --epochs 3
 	@echo "== ddp_rpc_hybrid/remote_module.py: the same, the tutorial's 2021 revision (RemoteModule)"
-	@$(PY) ddp_rpc_hybrid/remote_module.py --epochs 20
+	@$(PY) ddp_rpc_hybrid/remote_module.py --epochs 3
 	@echo "== pipeline_parallel: ResNet-50 in two shards, 1 and then 4 micro-batches a batch"
-	@$(PY) pipeline_parallel/main.py --num_split 1 4 --batch_size 16 --num_batches 10
-	@echo "== pipeline_parallel/pipelining.py: the same with torch.distributed.pipelining, GPipe and 1F1B"
-	@$(PY) pipeline_parallel/pipelining.py --num_split 1 4 --batch_size 16 --num_batches 10
-	@echo "== rpc_profiling: the profiling recipe's RPCs, then both ranks profiled, one timeline in traces/"
-	@$(PY) rpc_profiling/main.py
+	@$(PY) pipeline_parallel/main.py --num_split 1 4 --batch_size 16 --num_batches 3
+	@echo "== pipeline_parallel/pipelining.py: the same with torch.distributed.pipelining"
+	@$(PY) pipeline_parallel/pipelining.py --num_split 2 --batch_size 16 --lr 0.02 --num_batches 10
+	@echo "== cuda_rpc: the CUDA RPC recipe's two workers (CPU tensors where there is no GPU)"
+	@$(PY) cuda_rpc/main.py --iterations 3
+	@echo "== rpc_profiling, under rpcrun: the recipe's RPCs, then both ranks profiled, one timeline in traces/"
+	@$(PY) -m rpc_harness rpc_profiling/main.py --profile traces
 
 # bench/RESULTS-<cores>-cores.md and its chart: RPC against one process, side by side, and
 # bench/MONARCH-<cores>-cores.md with bench/scaling-<cores>-cores.png: the Monarch programs and
@@ -122,11 +126,12 @@ $(VENV)/.versions-installed: bench/requirements-versions.txt $(VENV)/.dev-instal
 versions: $(VENV)/.versions-installed
 	$(PY) bench/versions.py
 
-# The READMEs' pictures of a profiled run's timeline (bench/draw_timeline.py), from fresh runs:
-# each example's step 4 (of its first looping rank), and the recipe's two RPCs. PICTURE's
-# arguments: folder, flags, drawing flags, and where not main.py and timeline.png, script, picture.
+# The READMEs' pictures of a profiled run's timeline (bench/draw_timeline.py), from fresh runs
+# under rpcrun, which merges the ranks' traces into $dir/timeline.json: each example's step 4
+# (of its first looping rank), and the recipe's two RPCs. PICTURE's arguments: folder, flags,
+# drawing flags, and where not main.py and timeline.png, script, picture.
 PICTURE = dir=$$(mktemp -d) && trap 'rm -r "$$dir"' EXIT && \
-	  $(PY) $(1)/$(or $(strip $(4)),main.py) $(2) --profile $$dir > $$dir/run.log && \
+	  $(PY) -m rpc_harness $(1)/$(or $(strip $(4)),main.py) $(2) --profile $$dir > $$dir/run.log && \
 	  $(PY) bench/draw_timeline.py $$dir/timeline.json $(1)/$(or $(strip $(5)),timeline.png) $(3) && \
 	  grep -E "wrote|Wrote" $$dir/run.log
 pictures: $(VENV)/.dev-installed

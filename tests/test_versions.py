@@ -103,3 +103,52 @@ def test_every_run_is_a_command_that_a_readme_shows_made_shorter():
             assert wanted in shown, (
                 f"{program.key} {' '.join(flags)}: no page shows `python {program.key} "
                 f"{' '.join(wanted)}` (shown: {shown})")
+
+
+def _shown_commands(script):
+    """The argv of each command that a program's pages show (its README, ACTORS.md)."""
+    import programs
+
+    folder = ROOT / script.split("/")[0]
+    pages = [folder / "README.md", *folder.glob("ACTORS.md")]
+    return [command.argv for page in pages
+            for command in programs.commands(page, programs.code_on_page(page.read_text()))
+            if command.script == script]
+
+
+def _tour_commands():
+    """(script, argv) of each program that `make run` runs: its recipe's `$(PY) SCRIPT ...`
+    lines, `$(PY) -m rpc_harness SCRIPT ...` too, with the Makefile's variables they use."""
+    import re
+    import shlex
+
+    text = (ROOT / "Makefile").read_text()
+    variables = dict(re.findall(r"^(\w+) :?= (.*)$", text, re.M))
+    recipe = text.split("\nrun:", 1)[1].split("\n\n", 1)[0].replace("\\\n", " ")
+    found = []
+    for line in recipe.splitlines():
+        match = re.search(r"\$\(PY\) (?:-m rpc_harness )?(\S+\.py)([^|;}]*)", line)
+        if match:
+            words = re.sub(r"\$\((\w+)\)", lambda m: variables.get(m.group(1), ""),
+                           match.group(2))
+            found.append((match.group(1), shlex.split(words)))
+    return found
+
+
+def test_the_tour_and_the_quick_runs_are_commands_that_a_readme_shows_made_shorter():
+    """make run's commands, and the tests' short runs (tests/conftest.py's RUNS): a command that
+    the program's pages show, with only flags that make a run shorter added."""
+    from conftest import RUNS
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import versions as bench_versions
+
+    shortening = bench_versions.SHORTENING | {"--dataset"}  # the tour: MNIST, or offline
+    runs = [(script, argv) for script, argv in _tour_commands()]
+    runs += [(f"{config.name}/{config.script}", [str(word) for word in config.quick])
+             for config in RUNS.values()]
+    assert len(runs) > 10
+    for script, argv in runs:
+        shown = [_without_shortening(words, shortening) for words in _shown_commands(script)]
+        wanted = _without_shortening(argv, shortening)
+        assert wanted in shown, f"{script} {' '.join(argv)}: no page shows it (shown: {shown})"
