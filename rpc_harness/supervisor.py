@@ -472,21 +472,24 @@ class Supervisor:
         self.end(ending)
 
     def report(self, ending, wait=True):
-        """Tell rank 0 why this rank ends (rank 0: decide). With wait, a failure that may follow
-        from another rank's end waits for the verdict (VERDICT_SECONDS at most)."""
+        """Tell rank 0 why this rank ends; rank 0 itself decides. With wait, a failure (not a
+        cause from outside) waits for rank 0's verdict, VERDICT_SECONDS at most, as another
+        rank's end may have caused it; otherwise, or where rank 0 cannot be told, this rank
+        ends by its own reason."""
         if not self.command.meets:
             return
         if self.command.rank == 0:
             self.consider(ending)
             return
-        sent = self.to_rank_0 is not None and self.to_rank_0.send("ending", **ending.message())
-        if wait and sent and not ending.cause:
+        told = self.to_rank_0 is not None and self.to_rank_0.send("ending", **ending.message())
+        if not wait:
+            return
+        if told and not ending.cause:
             self.phase = Phase.DECIDING
             self.own_ending = ending
             self.deciding_until = time.monotonic() + VERDICT_SECONDS
             return
-        if wait:
-            self.end(ending)
+        self.end(ending)
 
     def consider(self, ending):
         """Rank 0: an Ending reported (its own, or another rank's). A cause from outside decides
@@ -717,13 +720,11 @@ class Supervisor:
     def end(self, ending):
         """The one way a run ends but for success: the command and every process of it ended,
         the held lines shown where they are this rank's own, the line last, the status."""
-        if self.child is not None and self.child.running:
-            for fd in (self.child.out, self.child.err):
+        if self.child is not None:
+            for fd in (self.child.out, self.child.err):  # nothing more of it is shown
                 with contextlib.suppress(KeyError, ValueError):
                     self.selector.unregister(fd)
-            self.child.stop(GRACE_SECONDS)
-        elif self.child is not None:
-            self.child.stop(GRACE_SECONDS)  # what the command left behind, if anything
+            self.child.stop(GRACE_SECONDS)  # a no-op where nothing of it is left
         if ending.status != PIPE_CLOSED:
             self.release_all()
         for link in self.all_links():

@@ -46,6 +46,12 @@ class World:
             self.start(rank, *flags)
         return [self.terminals[rank] for rank in range(self.world_size)]
 
+    def working(self):
+        """Once every rank works: each was admitted, and its command runs."""
+        for rank, terminal in self.terminals.items():
+            terminal.wait_for_output(rf"^rank {rank} working", timeout=30)
+        return self
+
     def wait_all(self, timeout=30):
         for terminal in self.terminals.values():
             terminal.wait(timeout)
@@ -129,7 +135,7 @@ def test_a_rank_whose_code_raises_is_named_in_every_terminal(runs):
 def test_a_killed_rank_is_named_in_every_terminal(runs, what):
     world = World(runs, 2, "--seconds", 60)
     killed, other = world.start_all()
-    pid = rank_process(killed, 0)
+    pid = rank_process(world.working().terminals[0], 0)
     if what == "supervised command":
         pid = int(Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[1])
     os.kill(pid, signal.SIGKILL)
@@ -141,7 +147,7 @@ def test_a_killed_rank_is_named_in_every_terminal(runs, what):
 def test_a_killed_rpcrun_leaves_nothing_behind(runs):
     world = World(runs, 2, "--seconds", 60)
     first, second = world.start_all()
-    rank_process(second, 1)
+    world.working()
     second.proc.send_signal(signal.SIGKILL)
     world.wait_all()
     assert second.returncode == -signal.SIGKILL
@@ -152,7 +158,7 @@ def test_a_killed_rpcrun_leaves_nothing_behind(runs):
 def test_a_stopped_rank_is_ended_after_the_bound(runs):
     world = World(runs, 2, "--seconds", 60, rpcrun_flags=["--lost_timeout", 2])
     stopped, other = world.start_all()
-    pid = rank_process(stopped, 0)
+    pid = rank_process(world.working().terminals[0], 0)
     os.kill(pid, signal.SIGSTOP)
     world.wait_all()
     expected = "rank 0 was stopped (SIGSTOP) for 2 s (--lost_timeout)"
@@ -163,7 +169,7 @@ def test_a_stopped_rank_is_ended_after_the_bound(runs):
 def test_a_stopped_rpcrun_is_lost_and_ends_when_it_resumes(runs):
     world = World(runs, 2, "--seconds", 60, rpcrun_flags=["--lost_timeout", 2])
     first, stopped = world.start_all()
-    rank_process(stopped, 1)
+    world.working()
     stopped.proc.send_signal(signal.SIGSTOP)
     first.wait(30)
     assert last_lines(first) == ("rpcrun: rank 0 ended: lost contact with rank 1 (its rpcrun was "
@@ -184,7 +190,7 @@ def test_a_stopped_rpcrun_is_lost_and_ends_when_it_resumes(runs):
 def test_ctrl_c_and_sigterm_end_every_terminal_in_one_line(runs, number, times, words, status):
     world = World(runs, 2, "--seconds", 60)
     other, interrupted = world.start_all()
-    rank_process(interrupted, 1)
+    world.working()
     signalled = time.monotonic()
     for _ in range(times):  # as a terminal sends Ctrl-C: to its foreground process group
         with contextlib.suppress(ProcessLookupError):
