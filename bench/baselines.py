@@ -1,6 +1,8 @@
 """The single-process baselines: each example's own model (imported from its folder) trained,
-or played, in one process with no RPC, with the same data, batch sizes, optimizer and thread
-count as the example. Prints one JSON object: {baseline: rate}.
+or played, in one process with no RPC, with the same data, batch sizes and optimizer as the
+example, and the threads that one process would have: torch's default (every core), or one
+where the example's rank computes with one thread whatever the cores. Prints one JSON object:
+{baseline: rate}.
 
     python bench/baselines.py                     # every baseline
     python bench/baselines.py rl_cartpole_1 --scale 0.5
@@ -26,7 +28,7 @@ from example_modules import load_example  # noqa: E402 - the examples' modules, 
 
 def param_server(batches):
     """Net on the synthetic digits, batches of 32, SGD at 0.03, torch's default thread count
-    (as on the parameter server): samples per second."""
+    (one process, every core): samples per second."""
     ps, ps_data = load_example("param_server"), load_example("param_server", "data")
     torch.manual_seed(1)
     net = ps.Net(num_gpus=0)
@@ -50,11 +52,12 @@ def rl_cartpole(episodes, environments):
     actors.py do; with one environment, as the tutorial does), one update an episode, its loss
     built as batch.py builds it (with one environment, the tutorial's sum from fewer autograd
     nodes). Seeded as rl_cartpole seeds agent and observers (--seed's default), so one
-    environment plays the same episodes as a run with one observer. One thread, as the agent.
-    Environment steps per second."""
+    environment plays the same episodes as a run with one observer. One thread: the policy is too
+    small to gain from more. Environment steps per second."""
     import gymnasium as gym
 
     rl, rl_batch = load_example("rl_cartpole"), load_example("rl_cartpole", "batch")
+    rl_extras = load_example("rl_cartpole", "extras")
     torch.set_num_threads(1)
     seed = rl.parser.get_default("seed")
     torch.manual_seed(seed)
@@ -83,7 +86,7 @@ def rl_cartpole(episodes, environments):
                     del states[i]
             if not states:
                 break
-        returns = rl.discounted_returns([rewards[i] for i in sorted(rewards)], 0.99, eps)
+        returns = rl_extras.discounted_returns([rewards[i] for i in sorted(rewards)], 0.99, eps)
         loss = (-rl_batch.log_probs_by_observer(passes) * returns).sum()
         optimizer.zero_grad()
         loss.backward()
@@ -139,8 +142,9 @@ def ddp_rpc_hybrid(batches):
 
 def pipeline_parallel(batches):
     """The two ResNet-50 shards of pipeline_parallel in one process, on its batches (16 images
-    of 64 x 64, the bench's size), SGD 0.05, torch's default threads: batches per second. The
-    shards pick their device from RPC's worker id, so this builds them in an RPC world of one."""
+    of 64 x 64, the bench's size), SGD 0.05, torch's default threads: batches per second. Each
+    shard takes the tutorial's device (cuda:0, cuda:1: a GPU if visible, else the CPU) and says
+    which RPC worker holds it, so this builds them in an RPC world of one."""
     import os
 
     import torch.distributed.rpc as rpc
@@ -153,7 +157,7 @@ def pipeline_parallel(batches):
     rpc.init_rpc("worker1", rank=0, world_size=1, rpc_backend_options=options)
     try:
         torch.manual_seed(1)
-        shards = [pipeline.ResNetShard1(), pipeline.ResNetShard2()]  # on the GPU, if visible
+        shards = [pipeline.ResNetShard1("cuda:0"), pipeline.ResNetShard2("cuda:1")]
         device = shards[0].device
         opt = torch.optim.SGD([p for shard in shards for p in shard.parameters()], lr=0.05)
         images = list(data.class_images(batches + 1, 16, 64, seed=1))
@@ -195,7 +199,7 @@ def main():
         function, length = chosen[name]
         threads = torch.get_num_threads()
         results[name] = function(length)
-        torch.set_num_threads(threads)  # rl_cartpole sets 1, as the agent does
+        torch.set_num_threads(threads)  # rl_cartpole sets 1
     # the process's peak memory, as the examples' summaries give each rank's: that of one
     # baseline when one ran
     results["peak_memory_mb"] = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}

@@ -3,12 +3,16 @@
 Every comparison runs its variants in turn (A, B, C, A, B, C, ...), so that the noise of a busy
 machine falls on all of them alike; each figure is the median of the repetitions, with min and
 max. While an example trains, the CPU time of its threads is read from /proc and grouped by
-thread name, which shows where the time goes. Writes bench/RESULTS-<N>-cores.md and
-bench/ratios-<N>-cores.png, N being this machine's cores, so that machines keep their own files.
+thread name, which shows where the time goes. The RPC programs run plain, each rank with the
+share of the cores that rpcrun would give it (OMP_NUM_THREADS). Writes bench/RESULTS-<N>-cores.md,
+bench/ratios-<N>-cores.png and bench/SUPERVISOR-<N>-cores.md (what rpcrun costs: each command
+plain and under rpcrun, in turn), N being this machine's cores, so that machines keep their own
+files.
 
-    python bench/bench.py            # three repetitions and the test suite: about 10 min on 2 cores
-    python bench/bench.py --quick    # one repetition of shorter runs: 4-5 minutes
-    python bench/bench.py --solve    # rl_cartpole until solved, two ways: bench/SOLVE.md
+    python bench/bench.py               # three repetitions and the test suite
+    python bench/bench.py --quick       # one repetition of shorter runs
+    python bench/bench.py --supervisor  # only what rpcrun costs: SUPERVISOR-<N>-cores.md
+    python bench/bench.py --solve       # rl_cartpole until solved, three ways: bench/SOLVE.md
 """
 
 import argparse
@@ -30,6 +34,8 @@ from pathlib import Path
 import torch
 from ports import free_port
 from rpc_roundtrip import SIZES
+
+from rpc_harness import command as rpcrun_command  # what rpcrun reads of a command, and sets
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -85,10 +91,28 @@ class Result:
     output: str = ""  # what the example printed
 
 
+def rpcrun_threads(cmd, env):
+    """`env`, with OMP_NUM_THREADS where rpcrun would set it for `cmd`, a plain command of one of
+    this tree's RPC programs: the cores divided by the ranks of this machine, unless `env` sets
+    it (rpc_harness/command.py: what rpcrun reads of the command, and sets). A Monarch program
+    (actors.py), another folder's program or Ray's: `env` as it is, as rpcrun never gave those
+    a share of the cores."""
+    script = Path(cmd[1])
+    if script.parent.parent != ROOT or script.name == "actors.py" or script.parent == BENCH:
+        return env
+    command = rpcrun_command.parse([str(script), *map(str, cmd[2:])])
+    share, _ = rpcrun_command.child_environment(command, env)
+    if "OMP_NUM_THREADS" not in share:
+        return env
+    return {**env, "OMP_NUM_THREADS": share["OMP_NUM_THREADS"]}
+
+
 def run_example(cmd, start, end, timeout=900, env=CPU_ONLY):
     """Run an example (its command may hold {port} and {summary}); return its --summary_json
     and the CPU its threads used between the first output line matching `start` and the first
-    matching `end`."""
+    matching `end`. An RPC program runs plain, with the share of the cores that rpcrun would
+    give its ranks (rpcrun_threads)."""
+    env = rpcrun_threads(cmd, env)
     with tempfile.TemporaryDirectory() as tmp:
         summary, log = Path(tmp) / "summary.json", Path(tmp) / "output.log"
         cmd = [str(part).replace("{summary}", str(summary)).replace("{port}", str(free_port()))
@@ -184,30 +208,15 @@ def example_with(folder, name, example_name, module, old, new):
     return copy
 
 
-def param_server_without(folder, name, module, line):
-    """A copy of param_server/ whose `module` lacks `line`, for a "before" variant. Returns its
-    main.py."""
-    return example_with(folder, name, "param_server", module, line, "") / "main.py"
-
-
-def param_server_before_profile(folder):
-    """param_server/ as it was before --profile: its loop without rpc_harness.profile_step(),
-    which is all that --profile adds to a run without it."""
-    return param_server_without(
-        folder, "param_server_before_profile", "main.py",
-        " " * 8 + "rpc_harness.profile_step()  # ours: --profile's window; nothing without "
-        "--profile\n")
-
-
 def ps_batches(quick):
     return 30 if quick else 60
 
 
 PROFILED = "1 trainer, --profile (steps 3-5 of the trainer)"
-BEFORE_PROFILE = "1 trainer, before --profile (no profile_step() in the loop)"
-# mp.spawn gives every rank the same environment: without the harness's torch.set_num_threads()
-# at the join, every rank would compute with every core. OMP_NUM_THREADS set: the harness leaves
-# each rank's threads as the variable says.
+# The plain command gives every rank torch's default threads: every core. rpcrun sets
+# OMP_NUM_THREADS to the cores divided by the ranks of this machine, unless it is set; the RPC
+# variants get that share as a user running them under rpcrun would (rpcrun_threads), these
+# every core in every rank.
 ALL_CORES = {"OMP_NUM_THREADS": str(CORES)}
 ONE_ALL_CORES = f"1 trainer, every rank {CORES} threads (one environment for all)"
 THREE_ALL_CORES = f"3 trainers, every rank {CORES} threads (one environment for all)"
@@ -362,8 +371,6 @@ def comparisons(quick, folder):
     ddp_window = (r"^Training done for epoch 0$", r"^Dense layer")
     one_trainer = ("--world_size", 2, "--dataset", "synthetic",
                    "--max_batches", ps_batches(quick))
-    before_profile = [PY, param_server_before_profile(folder), "--master_port", "{port}",
-                      "--summary_json", "{summary}", "--data_dir", ROOT / "data", *one_trainer]
     three_trainers = ("--world_size", 4, "--dataset", "synthetic",
                       "--max_batches", ps_batches(quick) // 3)
     before_tree, before_env = monarch_before(folder)
@@ -387,7 +394,6 @@ def comparisons(quick, folder):
                     env=ALL_CORES),
             Variant(PROFILED, example("param_server", *one_trainer, "--profile",
                                       Path(folder) / "profile"), samples, ps_window),
-            Variant(BEFORE_PROFILE, before_profile, samples, ps_window),
             Variant("3 trainers",
                     example("param_server", "--world_size", 4, "--dataset", "synthetic",
                             "--max_batches", ps_batches(quick) // 3), samples, ps_window),
@@ -451,9 +457,6 @@ def comparisons(quick, folder):
             Variant("one process"),
             Variant("ps + trainer", example("rnn_model_parallel", "--epochs", rnn_epochs),
                     rnn_rate, rnn_window),
-            Variant("ps + trainer, --rpc_transport tcp",
-                    example("rnn_model_parallel", "--epochs", rnn_epochs,
-                            "--rpc_transport", "tcp"), rnn_rate, rnn_window, detail=True),
         ]),
         Comparison("ddp_rpc_hybrid", "ddp_rpc_hybrid: iterations per trainer", "it/s", [
             Variant("one process"),
@@ -524,9 +527,9 @@ def measure(all_comparisons, repeats, quick, env=CPU_ONLY):
 
 
 def measure_threads(repeats, quick):
-    """param_server, 1 and 3 trainers: each rank its share of the cores (the harness's
-    torch.set_num_threads at the join), against one environment for all, every rank with every
-    core; into THREADS-<cores>-cores.md."""
+    """param_server, 1 and 3 trainers: each rank its share of the cores (OMP_NUM_THREADS as
+    rpcrun sets it: the cores divided by the ranks), against every rank with every core; into
+    THREADS-<cores>-cores.md."""
     keep = ("one process", "1 trainer", ONE_ALL_CORES, "3 trainers", THREE_ALL_CORES)
     with tempfile.TemporaryDirectory() as folder:
         ps = next(c for c in comparisons(quick, folder) if c.key == "param_server")
@@ -535,7 +538,9 @@ def measure_threads(repeats, quick):
     lines = ["# param_server: each rank its share of the cores, or every rank every core", "",
              f"Written by `python bench/bench.py --threads{' --quick' if quick else ''}` on "
              f"{time.strftime('%Y-%m-%d')}: {repeats} repetition(s), the variants in turn. "
-             f"Machine: {machine()}.", "",
+             f"Machine: {machine()}. Each command plain; \"1 trainer\" and \"3 trainers\" with "
+             "`OMP_NUM_THREADS` as rpcrun sets it (the cores divided by the ranks), the others "
+             f"with `OMP_NUM_THREADS={CORES}`.", "",
              "| Variant | Median | Min | Max | Ratio to one process |", "|---|---|---|---|---|"]
     for variant, ratio in ps.ratios():
         lines.append(f"| {variant.label} | {variant.median:.0f} samples/s | "
@@ -653,7 +658,7 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
     ps_local, ps_now = ps.variants[0], ps.find("1 trainer")
     ps_all_cores, ps_three_all_cores = ps.find(ONE_ALL_CORES), ps.find(THREE_ALL_CORES)
     rl4_tutorial, rl4_batch = rl4.find("tutorial mode"), rl4.find("batch.py")
-    rnn_auto, rnn_tcp = rnn.find("ps + trainer"), rnn.find("ps + trainer, --rpc_transport tcp")
+    rnn_auto = rnn.find("ps + trainer")
     ddp_rpc = ddp.find("2 trainers under DDP, master, ps")
     ps_ratio = ps_now.median / ps_local.median
     batch_ratio = rl4_batch.median / rl4_tutorial.median
@@ -720,29 +725,24 @@ def write_results(all_comparisons, roundtrip, suite_seconds, repeats, seconds, q
         f"| pipeline_parallel, the best `num_split` ({pp_best.label}) at least 1.3 times "
         f"`num_split 1` (on 16 cores) | {pp_ratio:.2f} | "
         f"{('met' if pp_ratio >= 1.3 else 'not met') if CORES >= 16 else '16 cores only'} |",
-        "", "## Threads: each rank its share, or one environment for all", "",
-        "mp.spawn starts every rank with the same environment. The harness gives each rank its "
-        "share of the cores at the join (`torch.set_num_threads`: the ranks that compute share "
-        "them, the others get one thread); with one environment for all, every rank would "
-        f"compute with all {CORES} cores. param_server: 1 trainer {ps_now.median:.0f} samples/s "
+        "", "## Threads: each rank its share, or every core in every rank", "",
+        "The plain command starts every rank with torch's default threads, every core; under "
+        "rpcrun each rank gets `OMP_NUM_THREADS` = the cores divided by the ranks of this "
+        "machine. The RPC rows above ran with that share, as under rpcrun (the variable set as "
+        "rpcrun sets it, the command itself plain); the rows \"every rank N threads\" with "
+        f"`OMP_NUM_THREADS={CORES}`. param_server: 1 trainer {ps_now.median:.0f} samples/s "
         f"with shares, {ps_all_cores.median:.0f} with all cores everywhere "
         f"({ps_now.median / ps_all_cores.median:.2f} times); 3 trainers "
         f"{ps.find('3 trainers').median:.0f} against {ps_three_all_cores.median:.0f} "
-        f"({ps.find('3 trainers').median / ps_three_all_cores.median:.2f} times)."
-        + (" The latency-bound examples keep TensorPipe's default transports: over TCP, "
-           f"rnn_model_parallel ran at {rnn_tcp.median / rnn_auto.median:.2f} times its speed "
-           "with them." if rnn_tcp else ""),
+        f"({ps.find('3 trainers').median / ps_three_all_cores.median:.2f} times). What rpcrun "
+        f"itself costs: [{SUPERVISOR_RESULTS.name}]({SUPERVISOR_RESULTS.name}).",
         "", "## --profile", "",
         f"param_server, 1 trainer, {ps_batches(quick)} batches: with `--profile` "
         f"{ps.find(PROFILED).median:.0f} samples/s, {ps.find(PROFILED).median / ps_now.median:.2f}"
-        " of the same run without it (the trainer's steps 3-5 and the server's calls until "
-        "then recorded, both traces written, inside the timed training). "
-        "Without `--profile`: the run as it was before `--profile` existed (no "
-        f"`rpc_harness.profile_step()` in its loop) went at {ps.find(BEFORE_PROFILE).median:.0f} "
-        f"samples/s, the run as it is at {ps_now.median:.0f}, "
-        f"{ps_now.median / ps.find(BEFORE_PROFILE).median:.2f} times that, within the spread "
-        "of either (min and max above): profiling off costs a call that returns at once, a "
-        "step.",
+        " of the same run without it (the trainer's steps 3-5 recorded and its trace written "
+        "inside the timed training; the server records every call, and writes its trace after "
+        "its `rpc.shutdown()`). Without `--profile` each rank's profiler is an object whose "
+        "`step()` and `stop()` do nothing.",
         "", "## Where the time goes", "",
         f"CPU used while the example trained, in cores ({CORES:.2f}: all {CORES} cores of this "
         "machine busy all the time), by thread name, summed over the example's processes "
@@ -830,6 +830,208 @@ def measure_pipelines(repeats, quick):
     lines += ["", f"{time.perf_counter() - started:.0f} s in all."]
     PIPELINES.write_text("\n".join(lines) + "\n")
     print(PIPELINES.read_text())
+
+
+# --------- What rpcrun costs: the plain command against the same under rpcrun -----------
+
+SUPERVISOR_RESULTS = BENCH / f"SUPERVISOR-{CORES}-cores.md"
+PLAIN, SUPERVISED = "plain", "rpcrun"
+# The issue's bound: a supervised run within 2% of the plain run's time.
+SUPERVISOR_BOUND = 0.02
+
+
+@dataclass
+class Twin:
+    """One command of an example, run plain (`python SCRIPT ARGS`) and under rpcrun (`python -m
+    rpc_harness SCRIPT ARGS`) in turn, with the same environment: OMP_NUM_THREADS set in both as
+    rpcrun would set it, so that only the supervisor differs."""
+
+    label: str
+    script: Path
+    flags: tuple
+    rate: object  # summary -> the training rate
+    unit: str
+    ranks: int = 0  # 0: every rank from one command; N: N commands (--rank 0..N-1), at once
+    runs: dict = field(default_factory=lambda: {PLAIN: [], SUPERVISED: []})  # each run's figures
+
+    def commands(self, mode, summary):
+        """The terminals' commands of one run: one, or one a rank (rank 0's first)."""
+        port = free_port()
+        flags = [*map(str, self.flags), "--master_port", str(port), "--summary_json", summary]
+        front = [PY, "-m", "rpc_harness"] if mode == SUPERVISED else [PY]
+        if not self.ranks:
+            return [[*front, str(self.script), *flags]]
+        if mode == SUPERVISED:  # where the supervisors meet: a free port, not --master_port - 100
+            front = [*front, "--port", str(free_port())]
+        return [[*front, str(self.script), *flags, "--rank", str(rank)]
+                for rank in range(self.ranks)]
+
+
+def supervisor_twins(quick):
+    short = 0.5 if quick else 1.0
+    episodes = round(40 * short)
+    samples = lambda s: s["samples_per_second"]  # noqa: E731
+    steps = lambda s: s["steps_per_second"]  # noqa: E731
+    return [
+        Twin("param_server/main.py, 1 trainer, every rank from one command",
+             ROOT / "param_server" / "main.py",
+             ("--world_size", 2, "--dataset", "synthetic", "--max_batches", ps_batches(quick)),
+             samples, "samples/s"),
+        Twin("rl_cartpole/main.py, 1 observer, every rank from one command",
+             ROOT / "rl_cartpole" / "main.py", ("--world_size", 2, "--max_episodes", episodes),
+             steps, "steps/s"),
+        Twin("rl_cartpole/main.py, 1 observer, a rank a terminal (`--rank 0`, `--rank 1`)",
+             ROOT / "rl_cartpole" / "main.py", ("--world_size", 2, "--max_episodes", episodes),
+             steps, "steps/s", ranks=2),
+    ]
+
+
+def _cpu_seconds(pid):
+    """CPU seconds that process `pid` has used itself (its threads, not its children), or None
+    where it has ended."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+
+
+def run_terminals(commands, env, timeout=900):
+    """Start `commands` at once, each in a session of its own with its output to a file, as in
+    terminals of their own; wait for every one. Returns (seconds from the first start to the
+    last end, CPU seconds that the commands' first processes used, as last read while they ran:
+    under rpcrun, the supervisors' own)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [Path(tmp) / f"terminal{i}.log" for i in range(len(commands))]
+        procs = []
+        started = time.perf_counter()
+        try:
+            for cmd, log in zip(commands, logs, strict=True):
+                with open(log, "w") as out:
+                    procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=out,
+                                                  stderr=subprocess.STDOUT, env=env,
+                                                  start_new_session=True))
+            cpu = {}
+            while any(proc.poll() is None for proc in procs):
+                if time.perf_counter() - started > timeout:
+                    raise RuntimeError(f"{' '.join(commands[0])} took more than {timeout} s")
+                for proc in procs:
+                    seconds = _cpu_seconds(proc.pid) if proc.returncode is None else None
+                    cpu[proc.pid] = seconds if seconds is not None else cpu.get(proc.pid, 0.0)
+                time.sleep(0.05)
+            seconds = time.perf_counter() - started
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        failed = [(cmd, log) for cmd, log, proc in zip(commands, logs, procs, strict=True)
+                  if proc.returncode != 0]
+        if failed:
+            cmd, log = failed[0]
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{log.read_text()[-3000:]}")
+        return seconds, sum(cpu.values())
+
+
+def measure_supervisor_cost(twins, repeats, env=CPU_ONLY):
+    """Each twin plain and under rpcrun, the twins in turn, `repeats` times: plain first in the
+    odd repetitions, rpcrun first in the even ones, so that a machine whose speed drifts (a
+    load that comes or goes, a cloud machine's CPU credit) favours neither."""
+    for rep in range(repeats):
+        print(f"== rpcrun's cost: repetition {rep + 1} of {repeats}", flush=True)
+        for twin in twins:
+            same = rpcrun_threads([PY, twin.script, *map(str, twin.flags)], env)
+            for mode in (PLAIN, SUPERVISED)[::1 if rep % 2 == 0 else -1]:
+                with tempfile.TemporaryDirectory() as tmp:
+                    summary = Path(tmp) / "summary.json"
+                    seconds, cpu = run_terminals(twin.commands(mode, str(summary)), same)
+                    figures = json.loads(summary.read_text())
+                twin.runs[mode].append({"rate": twin.rate(figures),
+                                        "wall": figures["wall_seconds"], "seconds": seconds,
+                                        "cpu": cpu})
+                print(f"   {twin.label}, {mode}: {twin.runs[mode][-1]['rate']:.1f} {twin.unit}, "
+                      f"{figures['wall_seconds']:.1f} s in the summary, {seconds:.1f} s by the "
+                      "clock", flush=True)
+
+
+def _spread(values, digits):
+    return (f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-"
+            f"{max(values):.{digits}f})")
+
+
+def supervisor_rows(twin):
+    """The table's rows of one twin: each figure plain and supervised, the ratio of the
+    medians, the ratios run by run (each supervised run to the plain run of its repetition),
+    and whether the medians are within SUPERVISOR_BOUND."""
+    rows = []
+    for key, name, higher_is_better in (("rate", f"training rate, {twin.unit}", True),
+                                        ("wall", "wall seconds in the summary", False),
+                                        ("seconds", "the command's seconds, by the clock", False)):
+        plain = [run[key] for run in twin.runs[PLAIN]]
+        supervised = [run[key] for run in twin.runs[SUPERVISED]]
+        paired = [s / p for s, p in zip(supervised, plain, strict=True)]
+        ratio = statistics.median(supervised) / statistics.median(plain)
+        cost = 1 / ratio - 1 if higher_is_better else ratio - 1
+        digits = 0 if key == "rate" else 1
+        rows.append(f"| {twin.label} | {name} | {_spread(plain, digits)} | "
+                    f"{_spread(supervised, digits)} | {ratio:.3f} | {_spread(paired, 3)} | "
+                    f"{'yes' if cost <= SUPERVISOR_BOUND else 'no'} ({cost:+.1%}) |")
+    return rows
+
+
+def supervisor_cpu(twin):
+    """The median CPU seconds of the supervisors' own processes in a supervised run."""
+    return statistics.median(run["cpu"] for run in twin.runs[SUPERVISED])
+
+
+def write_supervisor(twins, repeats, seconds, quick, loads, alone):
+    """SUPERVISOR-<cores>-cores.md: what rpcrun costs, each command plain and supervised."""
+    command = (f"python bench/bench.py --supervisor{' --quick' if quick else ''}" if alone
+               else f"make bench{' QUICK=1' if quick else ''}")
+    before, after = (", ".join(f"{load:.2f}" for load in pair) for pair in loads)
+    lines = ["# What rpcrun costs: the plain command against the same under rpcrun", "",
+             f"Written by `{command}` on {time.strftime('%Y-%m-%d')}: {repeats} repetition(s), "
+             f"{seconds:.0f} s in all. Machine: {machine()}. Load averages (1, 5, 15 minutes) "
+             f"before: {before}; after: {after}.", "",
+             "Each command ran plain (`python SCRIPT ARGS`) and under the supervisor "
+             "(`python -m rpc_harness SCRIPT ARGS`, which `rpcrun` is), the commands in turn "
+             "(plain first in odd repetitions, rpcrun first in even ones), with the same "
+             "environment: `OMP_NUM_THREADS` set in both as rpcrun sets it (the "
+             "cores divided by the ranks), so that only the supervisor differs. What rpcrun "
+             "sets besides (TensorPipe and Gloo on the loopback interface, torch's C++ log "
+             "level, each rank's output on a pty) it sets as it does for a user. A rank a "
+             "terminal: both commands started at once; under rpcrun, rank 1's supervisor "
+             "meets rank 0's first and starts its command once admitted. Figures: the "
+             "training rate and the wall seconds that rank 0 writes in its `--summary_json` "
+             "(from its command's start to its summary), and the seconds from starting the "
+             "commands to the end of the last one, by this script's clock (rpcrun's own start "
+             "and end included). Ratios: rpcrun's figure over the plain one's, of the medians, "
+             "and run by run (each supervised run against the plain run of its repetition). "
+             f"Within {SUPERVISOR_BOUND:.0%}: the medians' cost (a lower rate, more "
+             "seconds) is no more than that.", "",
+             "| Command | Figure | Plain: median (min-max) | Under rpcrun: median (min-max) | "
+             "Ratio of the medians | Ratio run by run: median (min-max) | Within 2%? |",
+             "|---|---|---|---|---|---|---|"]
+    for twin in twins:
+        lines += supervisor_rows(twin)
+    lines += ["", "CPU that the supervisors used themselves (rpcrun's own process, every "
+              "terminal's together, not its command's), medians of the runs: " + "; ".join(
+                  f"{twin.label}: {supervisor_cpu(twin):.2f} s in a run of "
+                  f"{statistics.median(run['seconds'] for run in twin.runs[SUPERVISED]):.1f} s"
+                  for twin in twins) + "."]
+    SUPERVISOR_RESULTS.write_text("\n".join(lines) + "\n")
+
+
+def measure_supervisor(repeats, quick, alone=True):
+    """--supervisor: only what rpcrun costs, into SUPERVISOR-<cores>-cores.md."""
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    twins = supervisor_twins(quick)
+    measure_supervisor_cost(twins, repeats)
+    write_supervisor(twins, repeats, time.perf_counter() - started, quick,
+                     (load_before, os.getloadavg()), alone)
+    print(SUPERVISOR_RESULTS.read_text())
 
 
 # --------- Monarch beside RPC --------------------
@@ -1079,6 +1281,10 @@ def main():
     parser.add_argument("--monarch", action="store_true",
                         help="only the Monarch programs beside the RPC ones, and the round "
                              "trips: bench/MONARCH-<cores>-cores.md")
+    parser.add_argument("--supervisor", action="store_true",
+                        help="only what rpcrun costs: param_server and rl_cartpole, each plain "
+                             "and under rpcrun in turn: bench/SUPERVISOR-<cores>-cores.md "
+                             "(6 minutes on 2 quiet cores; --quick: 1 repetition, 2 minutes)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="repetitions (default: 3; 1 with --quick)")
     parser.add_argument("--solve", action="store_true",
@@ -1098,12 +1304,15 @@ def main():
         parser.error(f"--monarch needs torchmonarch: {MONARCH_MISSING}")
     if args.monarch:
         return measure_monarch(repeats, args.quick)
+    if args.supervisor:
+        return measure_supervisor(repeats, args.quick)
     started = time.perf_counter()
     print("== RPC round trip", flush=True)
     roundtrip = rpc_roundtrip(repeats=3 if args.quick else 5)
     with tempfile.TemporaryDirectory() as folder:
         all_comparisons = comparisons(args.quick, folder)
         measure(all_comparisons, repeats, args.quick)
+    measure_supervisor(repeats, args.quick, alone=False)
     suite = None
     if not args.quick:
         print("== the test suite", flush=True)
