@@ -13,6 +13,7 @@ import ast
 import ipaddress
 import os
 import socket
+import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,6 +257,39 @@ def loopback_interface():
     return next((name for name in names if name.startswith("lo")), "lo")
 
 
+def interface_towards(addr):
+    """The name of the network interface whose address this machine would send from to reach
+    addr (a UDP socket's connect() asks the routing table and sends nothing), or None where that
+    cannot be found: no route, or a system without SIOCGIFADDR (Linux's ioctl, read with fcntl)."""
+    try:
+        # any port: the route depends on the address alone
+        family, _, _, _, destination = socket.getaddrinfo(addr, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(destination)
+            local = probe.getsockname()[0]
+    except (OSError, UnicodeError):
+        return None
+    if ipaddress.ip_address(local.split("%")[0]).is_loopback:
+        return loopback_interface()
+    return next((name for _, name in socket.if_nameindex() if _ipv4_address(name) == local), None)
+
+
+def _ipv4_address(interface):
+    """The IPv4 address of a network interface, or None (none, or not Linux)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        return None
+    siocgifaddr = 0x8915  # Linux's ioctl for an interface's address
+    request = struct.pack("256s", interface.encode()[:15])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            answer = fcntl.ioctl(sock.fileno(), siocgifaddr, request)
+        except OSError:  # no IPv4 address, or not Linux
+            return None
+    return socket.inet_ntoa(answer[20:24])
+
+
 def cores():
     """The cores this process may run on."""
     if hasattr(os, "sched_getaffinity"):
@@ -266,15 +300,19 @@ def cores():
 def child_environment(command, environ=None):
     """The child's environment: the supervisor's, with what rpcrun sets unless it is set already
     (docs/rpcrun.md says why each): OMP_NUM_THREADS, the ranks' share of this machine's cores;
-    for a loopback --master_addr, TensorPipe, Gloo and NCCL on the loopback interface;
+    TensorPipe, Gloo and NCCL on the interface towards --master_addr (loopback for a loopback
+    address);
     TORCH_CPP_LOG_LEVEL=ERROR; with --profile, KINETO_LOG_LEVEL=6; and PYTHONUNBUFFERED left out.
     Returns (environment, the names it changed)."""
     env = dict(os.environ if environ is None else environ)
     wanted = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
     if command.ranks_here:
         wanted["OMP_NUM_THREADS"] = str(max(1, cores() // command.ranks_here))
-    if command.local and is_loopback(command.master_addr):
-        interface = loopback_interface()
+    # Left alone, TensorPipe and Gloo listen on the address of the host's name: on many
+    # machines 127.0.1.1, which no other machine reaches, or an address open to the network
+    # for a run that never leaves this one.
+    interface = interface_towards(command.master_addr)
+    if interface:
         for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             wanted[name] = interface
     if command.profile:
