@@ -19,6 +19,11 @@ import os
 import random
 import sys  # ours: the command's exit status
 
+# ours: extras before torch's modules, so that its warning filters are in place when torch
+# 2.4 warns, on importing torch.distributed.optim, that TorchScript's optimizers are deprecated
+import extras  # ours: what is not the lesson: the flags, devices, the bags, the summary
+# isort: split
+
 import torch
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
@@ -30,7 +35,6 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 import torch.optim as optim
 
-import extras  # ours: what is not the lesson: the flags, devices, the bags, the summary
 
 NUM_EMBEDDINGS = 100
 EMBEDDING_DIM = 16

@@ -17,6 +17,11 @@ import os  # ours: MASTER_ADDR and MASTER_PORT, set in __main__
 import random
 import sys  # ours: the command's exit status
 
+# ours: extras before torch's modules, so that its warning filters are in place when torch
+# 2.4 warns, on importing torch.distributed.optim, that TorchScript's optimizers are deprecated
+import extras  # ours: what is not the lesson: the flags, devices, the bags, the summary
+# isort: split
+
 import torch
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
@@ -29,7 +34,6 @@ from torch.distributed.rpc import RRef
 from torch.distributed.rpc import TensorPipeRpcBackendOptions
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import extras  # ours: what is not the lesson: the flags, devices, the bags, the summary
 
 NUM_EMBEDDINGS = 100
 EMBEDDING_DIM = 16

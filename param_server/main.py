@@ -16,6 +16,11 @@ import sys  # ours: the command's exit status
 import time  # ours: the summary's training time
 from threading import Lock
 
+# ours: extras before torch's modules, so that its warning filters are in place when torch
+# 2.4 warns, on importing torch.distributed.optim, that TorchScript's optimizers are deprecated
+import extras  # ours: this project's flags and checks, --profile, the summary
+# isort: split
+
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
@@ -25,7 +30,6 @@ import torch.nn.functional as F
 from torch import optim
 from torch.distributed.optim import DistributedOptimizer
 
-import extras  # ours: this project's flags and checks, --profile, the summary
 from data import get_training_data  # ours: MNIST or generated digits, a share each trainer
 
 # --------- MNIST Network to train, from pytorch/examples -----

@@ -18,6 +18,11 @@ import argparse  # ours: the command line, which the tutorial does not have
 import os
 import sys  # ours: the command's exit status
 
+# ours: extras before torch's modules, so that its warning filters are in place when torch
+# 2.4 warns, on importing torch.distributed.optim, that TorchScript's optimizers are deprecated
+import extras  # ours: this project's flags and checks, each epoch's loss, --profile, summary
+# isort: split
+
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
@@ -26,7 +31,6 @@ import torch.optim as optim
 from torch.distributed.optim import DistributedOptimizer
 
 import rnn
-import extras  # ours: this project's flags and checks, each epoch's loss, --profile, summary
 from data import next_token_windows, training_data  # ours: the trainer's data (data.py)
 
 

@@ -97,12 +97,16 @@ def test_a_thread_count_of_the_users_own_is_kept(runs):
 
 
 def test_one_rank_a_terminal_in_any_order_meet_and_say_so(runs):
+    """Ranks 2 and 1 first, each saying that it waits for rank 0; then rank 0: all meet."""
     world = World(runs, 3, "--seconds", 0.5)
-    world.start_all(order=[2, 1, 0])
+    for rank in (2, 1):
+        world.start(rank)
+        world.terminals[rank].wait_for_output(
+            rf"^rpcrun: rank {rank} of 3: waiting for rank 0 at localhost:", timeout=30)
+    world.start(0)
     for terminal in world.wait_all().values():
         assert terminal.returncode == 0, terminal.output
         assert "rpcrun: all 3 ranks have joined" in terminal.output
-    assert "rpcrun: rank 2 of 3: waiting for rank 0 at localhost:" in world.terminals[2].output
     assert world.terminals[0].last_line == "Summary: every rank is done"
 
 
