@@ -184,8 +184,9 @@ def _start(runs, host, *flags):
 def test_observers_on_another_host_and_nothing_left_when_the_controller_dies(two_hosts, runs):
     """The controller on one host, its observer on a worker on another (network namespaces,
     `actors.py --serve`): SIGKILL of the controller leaves no process of it on the worker's host
-    within 15 s (HYPERACTOR_MESH_ORPHAN_TIMEOUT, 5 s), and the worker serves the next
-    controller at once. Ctrl-C ends the worker in one line, its processes with it."""
+    within 30 s (HYPERACTOR_MESH_ORPHAN_TIMEOUT, 5 s, and the teardown on a busy machine), and
+    the worker serves the next controller at once. Ctrl-C ends the worker in one line, its
+    processes with it."""
     pytest.importorskip("monarch.actor", reason=WHY_NO_MONARCH)
     (host_a, _), (host_b, address_b) = two_hosts
     address = f"tcp://{address_b}:{find_free_port()}"
@@ -199,7 +200,9 @@ def test_observers_on_another_host_and_nothing_left_when_the_controller_dies(two
     killed = time.monotonic()
     second = _start(runs, host_a, "--max_episodes", 3, "--log_interval", 1, "--workers",
                     address)
-    while orphans & set(_in_namespace(host_b)) and time.monotonic() < killed + 15:
+    # Monarch ends an orphan after 5 s (HYPERACTOR_MESH_ORPHAN_TIMEOUT); its teardown then
+    # took more than 10 s once, with two CI runs sharing 2 cores: 30 s bound, polled
+    while orphans & set(_in_namespace(host_b)) and time.monotonic() < killed + 30:
         time.sleep(0.5)
     assert not orphans & set(_in_namespace(host_b))
     second.wait(timeout=120)
