@@ -153,13 +153,33 @@ def run_worker(rank, world_size, args):
     extras.start_profile(args, rank, f"stage{rank}", loops=True)
     for schedule_name, num_microbatches in args.runs:
         train(schedule_name, num_microbatches, args)
-    stages = [None] * world_size if rank == 0 else None
-    dist.gather_object({"name": f"stage{rank}", "memory": extras.peak_memory_mb(),
-                        "figures": extras.FIGURES}, stages, dst=0)
+    stages = send_figures_to_rank_0(rank, world_size)
     dist.destroy_process_group()
     extras.stop_profile()
     if rank == 0:
         extras.pipelining_summary(args, stages)
+
+
+def send_figures_to_rank_0(rank, world_size):
+    """Each stage's name, peak memory and figures, sent to rank 0 for the summary: on rank 0,
+    the list of every stage's, in rank order; elsewhere None.
+
+    Sent with send and receive, not gather_object: before torch 2.8, destroy_process_group()
+    right after a Gloo collective such as gather_object could hang for ever. It held the GIL
+    while it waited for Gloo's threads, and one of them could still need the GIL to free the
+    collective's tensors (fixed in torch by pytorch/pytorch#154976). Gloo's send and receive
+    run outside those threads."""
+    figures = {"name": f"stage{rank}", "memory": extras.peak_memory_mb(),
+               "figures": extras.FIGURES}
+    if rank != 0:
+        dist.send_object_list([figures], dst=0)
+        return None
+    stages = [figures]
+    for peer in range(1, world_size):
+        received = [None]
+        dist.recv_object_list(received, src=peer)
+        stages.append(received[0])
+    return stages
 
 
 # --------- ours: torch 2.4 and the other torch versions, devices --------------------
