@@ -879,7 +879,16 @@ def main():
     args.state.parent.mkdir(parents=True, exist_ok=True)
     # `kill` (SIGTERM) stops it as Ctrl-C does: what was recorded stays, for the next run.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    return run_matrix(args)
+    # Started in the background of a non-interactive shell (`make versions &`, nohup), this
+    # process inherits SIGINT ignored: Python's own handler, so that Ctrl-C (or kill -INT) stops
+    # it there too.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return run_matrix(args)
+    except KeyboardInterrupt:  # while it was still listing the torch versions: nothing ran yet
+        print("\nStopped before any run; nothing new was recorded.", flush=True)
+        return 130
 
 
 if __name__ == "__main__":
