@@ -91,6 +91,9 @@ class Program:
     printer: int = None  # pipe-closed's rank: one that prints as it runs (default: the victim)
     raises: tuple = ()  # where the injected error goes: module:function, rank, call (Monarch:
     # module:function, call)
+    # Where the raising code runs in an RPC that another rank made: that rank, whose process
+    # fails with the error (torch's RPC carries it back, the callee's traceback inside its own).
+    caller: int = None
     monarch: bool = False
 
     @property
@@ -110,7 +113,8 @@ PROGRAMS = [
     Program("param_server/main.py", 2, [*SYNTHETIC, "--epochs", 1000, "--log_interval", 2],
             r"^Rank \d training batch 2 ", raises=(BACKWARD, 1, 4)),
     Program("param_server/batch.py", 3, [*SYNTHETIC, "--epochs", 1000, "--log_interval", 2],
-            r"^Rank \d training batch 2 ", raises=("torch.nn.functional:nll_loss", 1, 4)),
+            r"^Rank \d training batch 2 ", raises=("torch.nn.functional:nll_loss", 1, 4),
+            caller=0),
     Program("param_server/actors.py", 2, [*SYNTHETIC, "--max_batches", 100000,
                                           "--log_interval", 2],
             r"^Rank \d training batch 2 ", raises=("torch.nn.functional:nll_loss", 6),
@@ -124,9 +128,9 @@ PROGRAMS = [
     Program("rnn_model_parallel/main.py", 2, ["--epochs", 100000],
             r"^Training epoch 1$", raises=(BACKWARD, 1, 30)),
     Program("ddp_rpc_hybrid/main.py", 4, ["--epochs", 100000],
-            r"^Training done for epoch 0$", victim=0, raises=(BACKWARD, 0, 15)),
+            r"^Training done for epoch 0$", victim=0, raises=(BACKWARD, 0, 15), caller=2),
     Program("ddp_rpc_hybrid/remote_module.py", 4, ["--epochs", 100000],
-            r"^Training done for epoch 0$", victim=0, raises=(BACKWARD, 0, 15)),
+            r"^Training done for epoch 0$", victim=0, raises=(BACKWARD, 0, 15), caller=2),
     Program("pipeline_parallel/main.py", 3, ["--num_split", 2, "--num_batches", 100000,
                                              "--batch_size", 4],
             r"^Processing batch 1$", raises=(BACKWARD, 0, 3), printer=0),
@@ -134,7 +138,7 @@ PROGRAMS = [
                                                    "--batch_size", 4, "--schedule", "GPipe"],
             r"^GPipe, n_microbatches 2, batch 1:", raises=("torch.optim:SGD.step", 1, 3)),
     Program("rpc_profiling/main.py", 2, [],
-            r"^-{20,}", raises=("torch:add", 1, 1)),
+            r"^-{20,}", raises=("torch:rand", 1, 1), caller=0),
 ]
 BY_PATH = {program.path: program for program in PROGRAMS}
 FAULTS = ["kill-rank", "kill-command", "ctrl-c", "ctrl-c-again", "sigterm", "sigterm-again",
@@ -573,17 +577,17 @@ def check(cell):
     where the fault killed the terminal's own command: there the shell says "Killed"; where a
     terminal's pipe closed: quiet; where the command refused its flags: its own line, status 2;
     a Monarch program's own line; and torchrun's, whose agent reports the failure its own way,
-    last), a status of 0 after a fault, a traceback but the raising rank's own, a process left,
-    a terminal still running."""
+    last), a status of 0 after a fault, a traceback but the raising rank's own (and that of the
+    rank whose RPC it raised in), a process left, a terminal still running."""
     if cell.problem:
         return cell.problem
     if cell.mode == "torchrun":  # torchrun's own way, which the page reports: not rpcrun's
         return ""
     program = BY_PATH[cell.program]
     if cell.mode != "torchrun":
+        failing = {f"rank {program.raises[1]}", f"rank {program.caller}"}
         shown = [name for name in cell.tracebacks
-                 if cell.fault != "raise" or (cell.mode == "per-rank"
-                                              and name != f"rank {program.raises[1]}")]
+                 if cell.fault != "raise" or (cell.mode == "per-rank" and name not in failing)]
         if shown:
             return f"{shown[0]}: a traceback"
     for name, line, status, _ in cell.terminals:

@@ -65,6 +65,12 @@ SPAWN_SIGNAL = re.compile(r"process (\d+) terminated with signal (\w+)")
 SPAWN_EXIT = re.compile(r"process (\d+) terminated with exit code (\d+)")
 SPAWN_RAISED = re.compile(r"^-- Process (\d+) terminated with the following error:")
 TRACEBACK = "Traceback (most recent call last):"
+# An exception that torch's RPC carried back from the worker whose code raised it: the caller's
+# traceback ends with "On WorkerInfo(id=N, name=NAME):", the exception's repr, the callee's own
+# traceback, and after its exception torch's "At:" and the frames where the caller re-raised it
+# (torch.distributed.rpc.internal, 2.4 to 2.15).
+REMOTE_WORKER = re.compile(r"On WorkerInfo\(id=\d+, name=([^)]+)\):")
+REMOTE_FRAMES = "At:"
 
 
 class Phase(enum.Enum):
@@ -776,15 +782,25 @@ def signal_of(status):
 
 
 def last_error(lines):
-    """The last line of the last traceback in lines (its exception and message), or None."""
+    """The exception and message that end the last traceback in lines, or None. Where torch's
+    RPC carried it from another worker's code, which worker raised it, after the message."""
     start = None
     for number, line in enumerate(lines):
         if line.startswith(TRACEBACK):
             start = number
     if start is None:
         return None
-    tail = [line for line in lines[start:] if line.strip() and not line.startswith(" ")]
-    return tail[-1].strip() if len(tail) > 1 else None
+    tail = [line for line in lines[start:]
+            if line.strip() and not line.startswith(" ") and line.strip() != REMOTE_FRAMES]
+    if len(tail) < 2:
+        return None
+    error = tail[-1].strip()
+    # the callee's traceback follows its worker's name and the exception's repr
+    for line in lines[max(0, start - 3):start]:
+        remote = REMOTE_WORKER.search(line)
+        if remote:
+            return f"{error}, raised on {remote.group(1)} in an RPC"
+    return error
 
 
 def main(argv=None):

@@ -16,6 +16,7 @@ import pytest
 from conftest import ROOT, find_free_port
 
 from rpc_harness.command import parse, script_flags
+from rpc_harness.supervisor import last_error
 
 STANDIN = ROOT / "tests" / "standin" / "main.py"
 CORES = len(os.sched_getaffinity(0))
@@ -133,6 +134,36 @@ def test_a_rank_whose_code_raises_is_named_in_every_terminal(runs):
     for rank in (0, 2):
         assert last_lines(terminals[rank]) == (
             f"rpcrun: rank {rank} ended: rank 1 failed (ValueError: rank 1 went wrong)", 1)
+
+
+# A rank whose RPC to trainer1 raised there (param_server/batch.py, whose server runs each
+# trainer's loop by RPC): the end of its traceback, as torch's RPC carries the callee's
+# exception back to the caller.
+CARRIED = """Traceback (most recent call last):
+  File "/work/param_server/batch.py", line 197, in run_ps
+    torch.futures.wait_all(futs)
+RuntimeError: RuntimeError: On WorkerInfo(id=1, name=trainer1):
+RuntimeError('an error injected by bench/faults.py')
+Traceback (most recent call last):
+  File "/work/torch/distributed/rpc/internal.py", line 209, in _run_function
+    result = python_udf.func(*python_udf.args, **python_udf.kwargs)
+  File "/work/param_server/batch.py", line 152, in train
+    loss = F.nll_loss(m(inputs), labels)
+RuntimeError: an error injected by bench/faults.py
+
+
+At:
+  /work/torch/distributed/rpc/internal.py(236): _handle_exception
+"""
+
+
+def test_an_error_carried_by_rpc_is_named_with_the_worker_that_raised_it():
+    """The cause in rpcrun's line is the callee's exception, and where it was raised; not the
+    frames that torch appends after it."""
+    assert last_error(CARRIED.splitlines()) == (
+        "RuntimeError: an error injected by bench/faults.py, raised on trainer1 in an RPC")
+    own = CARRIED.splitlines()[:3] + ["ValueError: rank 0 went wrong"]
+    assert last_error(own) == "ValueError: rank 0 went wrong"
 
 
 @pytest.mark.parametrize("what", ["rank process", "supervised command"])
