@@ -28,14 +28,12 @@ $(VENV)/.dev-installed: requirements-newest.txt requirements-dev.txt pyproject.t
 	$(PY) -m pip install --quiet -r requirements-newest.txt -r requirements-dev.txt -e .
 	touch $@
 
-# Two test files at a time (pytest-xdist): the examples' ranks spend much of their time
-# waiting. The files go to the workers longest first (tests/conftest.py, LONGEST_FIRST).
+# pyproject.toml's addopts run the tests on two workers, a whole file each (pytest-xdist).
 # make test leaves tests/test_launch_modes.py to make test-oldest (pyproject.toml's
 # launch_modes marker says why).
-PYTEST_TWO := -n 2 --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.dev-installed
 	$(PY) -m ruff check .
-	$(PY) -m pytest $(PYTEST_TWO) -m "not launch_modes" --durations=25
+	$(PY) -m pytest -m "not launch_modes" --durations=25
 
 test-quick: $(VENV)/.dev-installed
 	$(PY) -m ruff check .
@@ -49,8 +47,8 @@ $(OLDEST)/.installed: requirements-oldest.txt requirements-dev.txt pyproject.tom
 	touch $@
 
 test-oldest: $(OLDEST)/.installed
-	$(OLDEST)/bin/python -m pytest $(PYTEST_TWO) -m "not slow"
-	$(OLDEST)/bin/python -m pytest $(PYTEST_TWO) -m launch_modes
+	$(OLDEST)/bin/python -m pytest -m "not slow"
+	$(OLDEST)/bin/python -m pytest -m launch_modes
 
 # The tour: each program's README command, made shorter by flags only (batches, episodes,
 # epochs, and where to write), the plain command, as a reader runs it; the last one under rpcrun.

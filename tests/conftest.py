@@ -153,6 +153,13 @@ class Run:
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                      "TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
             full_env.pop(name, None)
+        self.cmd = [str(part) for part in cmd]
+        if "rpc_harness" not in self.cmd:
+            # A plain command: one thread a rank, as rpcrun gives each of 2 or 3 ranks on 2
+            # cores (a command under rpcrun gets rpcrun's own share, which its tests check).
+            # With torch's default, every core in each rank, the ranks of two test files at
+            # once wait on each other's threads.
+            full_env["OMP_NUM_THREADS"] = "1"
         full_env.update(env or {})
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir  # the folder of its output, and of what a test writes beside it
@@ -164,7 +171,6 @@ class Run:
         _FOLDERS_MADE.append(self.tmpdir)
         full_env["TMPDIR"] = str(self.tmpdir)
         self.out_path, self.err_path = stem.with_suffix(".out"), stem.with_suffix(".err")
-        self.cmd = [str(part) for part in cmd]
         self.started = time.monotonic()
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(self.cmd, env=full_env, cwd=cwd or ROOT, stdout=out,
@@ -551,25 +557,27 @@ def write_mnist(root, train_size=600, test_size=200, seed=0, compress=False):
 # --------- Which end-to-end runs the quick suite keeps --------------------
 
 # Fixtures that run an example end to end (module-scoped: several tests read one run). The quick
-# suite (pytest -m "not slow") keeps two of them: the parameter server's spawn-all run, profiled
-# (the harness's join, --profile's timeline, the summary), and pipelining.py's run (what torch
-# 2.4 lacks of its API). The others' tests are slow: each command costs seconds of CPU for its
-# torch import alone, and a rank that --rank names runs in a process of its own beside its
-# command's (the tutorial's mp.Process).
+# suite (pytest -m "not slow") keeps one of them: the parameter server's spawn-all run, profiled
+# (the tutorial's join, --profile's timeline, the summary). The others' tests are slow: each
+# command costs seconds of CPU for its torch import alone, and a rank that --rank names runs in a
+# process of its own beside its command's (the tutorial's mp.Process). pipelining.py, whose API
+# changed most between torch versions, runs on the oldest torch in make test-oldest's
+# launch-mode runs (tests/test_launch_modes.py), and on every torch in make versions.
 END_TO_END_FIXTURES = {"tutorial", "batch", "batch_run", "finished", "spawn_all",
                        "spawn_all_runs", "two_trainers", "pipelining_run", "profiled_run",
                        "monarch_run"}
-QUICK_RUNS = {("test_param_server", "two_trainers"), ("test_pipeline_parallel", "pipelining_run")}
+QUICK_RUNS = {("test_param_server", "two_trainers")}
 
 
-# make test hands whole files to its two workers (pytest-xdist's --dist loadfile), in the order
-# of collection (--no-loadscope-reorder). Longest first, so that no long file is left for last
-# while the other worker has nothing to do. In `make test` on 2 cores (2026-11-27) their tests
-# took 105, 99, 87, 79, 79, 78, 55, 41, 28, 19 and 9 s; a file not named here goes last.
-LONGEST_FIRST = ["test_rl_cartpole", "test_failures", "test_failures_joining",
-                 "test_param_server", "test_monarch_runs", "test_pipeline_parallel",
-                 "test_ddp_rpc_hybrid", "test_rnn_model_parallel", "test_rpc_profiling",
-                 "test_versions", "test_harness"]
+# pytest-xdist hands whole files to the two workers (pyproject.toml's addopts), in the order of
+# collection. Longest first, so that no long file is left for last while the other worker has
+# nothing to do. In `make test` on 2 cores (2026-11-28) the files named here took 219, 162,
+# 157, 127, 85, 68, 45, 42, 38, 27, 22 and 17 s of a worker's time; a file not named here goes
+# last.
+LONGEST_FIRST = ["test_failures", "test_rl_cartpole", "test_param_server", "test_pipeline_parallel",
+                 "test_ddp_rpc_hybrid", "test_monarch_runs", "test_rnn_model_parallel",
+                 "test_rpcrun", "test_cuda_rpc", "test_bench", "test_rpc_profiling",
+                 "test_versions"]
 
 
 def pytest_collection_modifyitems(items):

@@ -421,10 +421,15 @@ def summary_of(tmp):
 def two_trainers(tmp_path_factory):
     """The brief's smoke run: the folder copied alone (no data/ beside it), its plain command
     run from the copy with a Python where this project's package cannot be imported: the
-    tutorial's server and two trainers at once, profiled. (its run, its summary)"""
+    tutorial's server and two trainers at once, profiled, on MNIST's files as torchvision reads
+    them (written here: the synthetic digits, each trainer's share 60 batches of 32).
+    (its run, its summary)"""
     tmp = tmp_path_factory.mktemp("ps")
     copy = copy_example("param_server", tmp / "copy")
+    data = write_mnist(tmp / "data", train_size=2 * 60 * 32, test_size=500)
     flags = short_run_flags(tmp, "--profile", tmp / "trace")
+    flags[flags.index("synthetic")] = "mnist"
+    flags += ["--data_dir", data]
     run = Run([*ALONE, "main.py", *flags], tmp, cwd=copy)
     return finish(run, timeout=240), summary_of(tmp)
 
@@ -457,7 +462,7 @@ def test_spawn_all_trains_two_trainers_concurrently(two_trainers):
                  "Training complete!", "RPC shutdown on parameter server."):
         assert line in run.stdout
     assert len(accuracies(run.stdout)) == 2
-    assert summary["trainers"] == 2
+    assert summary["trainers"] == 2 and summary["dataset"] == "mnist"
     assert summary["batches_per_trainer"] == {"trainer_1": 60, "trainer_2": 60}
     last = run.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"Summary: accuracy \S+ over 2 trainer\(s\), \S+ samples/s in training; "
@@ -569,27 +574,6 @@ def test_actors_learned(monarch_run):
     for rank in (1, 2):
         losses = logged_losses(run.stdout, rank)
         assert len(losses) == 3 and losses[-1] < losses[0] * 0.8, losses
-
-
-@pytest.mark.slow
-def test_ranks_as_separate_commands_on_mnist_files_trainer_first(tmp_path, runs):
-    """The tutorial's way: a rank a command (mp.Process), here the trainer first, on MNIST's
-    files as torchvision reads them. Each command's status is its rank's."""
-    data = write_mnist(tmp_path / "data", train_size=640, test_size=200)
-    common = ["--world_size", 2, "--master_port", find_free_port(), "--dataset", "mnist",
-              "--data_dir", data, "--epochs", 2, "--log_interval", 10]
-    trainer = runs.start("param_server", *common, "--rank", 1)
-    server = runs.start("param_server", *common, "--rank", 0,
-                        "--summary_json", tmp_path / "summary.json")
-    for run in (server, trainer):
-        run.wait(timeout=120)
-        assert run.returncode == 0, run.output
-        assert not run.leftovers()
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["dataset"] == "mnist" and summary["batches_per_trainer"] == {"trainer_1": 40}
-    assert summary["accuracy"] >= 0.4, summary
-    assert accuracies(trainer.stdout)
-    assert server.stdout.strip().splitlines()[-1].startswith("Summary: accuracy")
 
 
 @pytest.mark.slow

@@ -385,28 +385,6 @@ def test_the_profiled_timeline_shows_both_shards_forward(spawn_all):
                        {"aten::conv2d", "aten::convolution"})
 
 
-@pytest.mark.slow
-def test_ranks_as_separate_commands_in_any_order_time_each_num_split(tmp_path, runs):
-    """One command per rank, worker2 first; two settings of --num_split, each timed."""
-    common = ["--world_size", 3, "--batch_size", 4, "--num_batches", 2, "--num_split", 1, 4,
-              "--master_port", find_free_port()]
-    worker2 = runs.start("pipeline_parallel", *common, "--rank", 2)
-    worker1 = runs.start("pipeline_parallel", *common, "--rank", 1)
-    master = runs.start("pipeline_parallel", *common, "--rank", 0,
-                        "--summary_json", tmp_path / "summary.json")
-    for run in (master, worker1, worker2):
-        run.wait(timeout=300)
-        assert run.returncode == 0, run.output
-        assert not run.leftovers()
-    for num_split in (1, 4):
-        assert re.search(rf"^number of splits = {num_split}, execution time = \d+\.\d+$",
-                         master.stdout, re.M)
-    assert master.stdout.splitlines()[-1].startswith("Summary: num_split 1: ")
-    assert set(json.loads((tmp_path / "summary.json").read_text())["splits"]) == {"1", "4"}
-    assert "ResNetShard1 on worker1, " in worker1.stdout
-    assert "Processing batch" not in worker1.stdout + worker2.stdout
-
-
 # The README's short run of pipelining.py that learns, for one schedule: 1F1B, or GPipe where
 # this torch cannot run 1F1B (make versions runs both, on every torch)
 SCHEDULE = "1F1B" if pipelining.one_f_one_b_works(torch.cuda.device_count()) else "GPipe"
@@ -456,29 +434,3 @@ def test_pipelining_profiled_timeline_shows_both_stages_compute(pipelining_run):
     for stage in ("stage0", "stage1"):
         check_timeline([run], run.trace, ["stage0", "stage1"], stage,
                        {"aten::conv2d", "aten::convolution"})
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("launch", ["per-rank", "torchrun"])
-def test_pipelining_runs_a_rank_a_command_and_under_torchrun(tmp_path, runs, launch):
-    """The stages as two commands (stage1 first), or as torchrun starts them: each runs its
-    rank to the end, rank 0 with the summary."""
-    port = find_free_port()
-    flags = ["--num_split", 2, "--batch_size", 4, "--num_batches", 2, "--summary_json",
-             tmp_path / "summary.json"]
-    if launch == "per-rank":
-        commands = [runs.start("pipeline_parallel", *flags, "--world_size", 2, "--rank", rank,
-                               "--master_port", port, script="pipelining.py")
-                    for rank in (1, 0)]
-    else:
-        commands = [runs.start_command([
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", 1, "--nproc_per_node", 2,
-            "--master_addr", "127.0.0.1", "--master_port", port,
-            FOLDER / "pipelining.py", *flags])]
-    for run in commands:
-        run.wait(timeout=300)
-        assert run.returncode == 0, run.output
-        assert not run.leftovers()
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert set(summary["peak_memory_mb"]) == {"stage0", "stage1"}
-    assert "stage 0 of 2 on " in "".join(run.stdout for run in commands)

@@ -432,39 +432,6 @@ def test_spawn_all_learned(tutorial):
     assert summary["running_reward"] > 20, summary
 
 
-def test_ranks_as_separate_commands_repeat_the_run(tutorial, runs, tmp_path):
-    """The observer started before the agent, each its own command (the tutorial's
-    mp.Process); with one observer and one seed it plays the episodes of the spawn-all run.
-    Only the first 10 are compared: the weights may drift apart in their last bits, and after
-    some tens of episodes an action come out differently."""
-    spawned, _ = tutorial
-    common = ["--world_size", 2, "--master_port", find_free_port(), "--max_episodes", 10,
-              "--log_interval", 1]
-    observer = runs.start("rl_cartpole", *common, "--rank", 1)
-    agent = runs.start("rl_cartpole", *common, "--rank", 0, "--summary_json",
-                       tmp_path / "summary.json")
-    for run in (agent, observer):
-        finish(run, timeout=120)
-        assert run.returncode == 0, run.output
-    assert EPISODE_LINE.findall(agent.stdout) == EPISODE_LINE.findall(spawned.stdout)[:10]
-    assert agent.last_line.startswith("Summary: 10 episodes"), agent.output
-    assert observer.stdout == ""  # an observer serves the agent's calls, and prints nothing
-    assert set(summary_of(tmp_path)["peak_memory_mb"]) == {"agent", "observer1"}
-
-
-def test_batched_agent_with_one_observer_plays_main_py_s_episodes(tutorial, tmp_path):
-    """One observer, one seed: batch.py's forward pass is main.py's select_action on one state,
-    so it plays the tutorial's episodes, the first 10 compared (see above). On the CPU, as
-    main.py's policy: a GPU samples other actions, as another seed does."""
-    spawned, _ = tutorial
-    run = run_example("rl_cartpole", "--max_episodes", 10, "--log_interval", 1,
-                      "--master_port", find_free_port(), timeout=120, log_dir=tmp_path,
-                      script="batch.py", env={"CUDA_VISIBLE_DEVICES": ""})
-    assert "policy on cpu" in run.stdout
-    assert run.returncode == 0, run.output
-    assert EPISODE_LINE.findall(run.stdout) == EPISODE_LINE.findall(spawned.stdout)[:10]
-
-
 def test_batched_agent_with_two_observers_learns(batch):
     run, summary = batch
     assert run.returncode == 0, run.output
@@ -478,6 +445,9 @@ def test_batched_agent_with_two_observers_learns(batch):
     assert run.last_line.startswith("Summary: 30 episodes"), run.output
 
 
+# A process of its own (seconds of torch's import): the in-process tests check each
+# message; this one, that the real command stops before any rank starts.
+@pytest.mark.slow
 def test_a_bad_command_starts_nothing(runs, tmp_path):
     """From the folder copied alone: bad input ends the command in one line, status 2, before
     any rank starts."""

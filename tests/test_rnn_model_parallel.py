@@ -29,8 +29,7 @@ rnn_data = load_example("rnn_model_parallel", "data")
 rnn_extras = load_example("rnn_model_parallel", "extras")  # what main.py adds: flags, names
 
 # Short but long enough to learn: 4 epochs of the synthetic task are 532 iterations, after
-# which the loss is at 0.40-0.45 of its first epoch's (seen with seeds 1 to 3). The run with one
-# command per rank stops after 2 epochs, which must match the first 2 of the other run.
+# which the loss is at 0.40-0.45 of its first epoch's (seen with seeds 1 to 3).
 SYNTHETIC = ("--seed", 1, "--epochs")
 # The small text written below has 18 distinct words; these sizes learn it in 3 epochs.
 CORPUS_SIZES = ("--emsize", 16, "--nhid", 16, "--lr", 2, "--bptt", 10, "--batch_size", 5,
@@ -279,14 +278,14 @@ def write_small_text(path):
 def finished(tmp_path_factory):
     """The end-to-end runs of this file, started together and awaited (their iterations spend
     much of their time waiting for each other's messages, so two cores serve them at once):
-    - spawn_all: every rank from one command, the synthetic task, run as the brief asks: the
-      folder copied alone, its plain command in a Python where rpc_harness cannot be imported;
-    - by_rank: the same seed, each rank its own command, the trainer started first, profiled;
-    - corpus: a small text, each rank its own command."""
+    - spawn_all: every rank from one command, the synthetic task, profiled, run as the brief
+      asks: the folder copied alone, its plain command in a Python where rpc_harness cannot be
+      imported;
+    - corpus: a small text, each rank its own command, the trainer started first."""
     tmp = tmp_path_factory.mktemp("rnn")
     text = write_small_text(tmp / "small.txt")
     copy = copy_example("rnn_model_parallel", tmp / "copy")
-    by_rank_port, corpus_port = find_free_port(), find_free_port()
+    corpus_port = find_free_port()
 
     def start(*args, summary=None):
         summary_args = ("--summary_json", tmp / f"{summary}.json") if summary else ()
@@ -294,15 +293,12 @@ def finished(tmp_path_factory):
 
     started = {
         "spawn_all": [Run([*ALONE, "main.py", *SYNTHETIC, 4, "--master_port", find_free_port(),
-                           "--summary_json", tmp / "spawn_all.json"], tmp, cwd=copy)],
-        "by_rank": [start(*SYNTHETIC, 2, "--master_port", by_rank_port, "--rank", 1,
-                          "--profile", tmp / "trace"),
-                    start(*SYNTHETIC, 2, "--master_port", by_rank_port, "--rank", 0,
-                          "--profile", tmp / "trace", summary="by_rank")],
+                           "--summary_json", tmp / "spawn_all.json", "--profile", tmp / "trace"],
+                          tmp, cwd=copy)],
         "corpus": [start("--corpus", text, *CORPUS_SIZES, "--master_port", corpus_port,
-                         "--rank", 0, summary="corpus"),
+                         "--rank", 1),
                    start("--corpus", text, *CORPUS_SIZES, "--master_port", corpus_port,
-                         "--rank", 1)],
+                         "--rank", 0, summary="corpus")],
     }
     try:
         for runs in started.values():
@@ -341,33 +337,21 @@ def test_spawn_all_learned_the_synthetic_task(finished):
     assert summary["last_loss"] > rnn_data.best_synthetic_loss(10, 0.1)
 
 
-def test_the_profiled_timeline_of_two_terminals_shows_the_ps_embedding_lookup(finished):
-    """--profile with each rank its own command: each writes its own trace (rpcrun would merge
-    them; check_timeline does here); ps looks up the embeddings (and decodes) for the trainer's
-    steps 3 to 5."""
-    trainer, ps = finished[0]["by_rank"]
-    check_timeline([trainer, ps], ps.log_dir / "trace", ["ps", "trainer"], "ps",
-                   {"aten::embedding"})
-
-
-def test_ranks_as_separate_commands_give_the_same_losses_for_the_same_seed(finished):
-    trainer, ps = finished[0]["by_rank"]
-    for run in (trainer, ps):
-        assert run.returncode == 0, run.output
-    assert ps.stdout.strip().splitlines()[-1].startswith("Summary: loss ")
-    assert "Summary" not in trainer.stdout and "Synthetic data" not in ps.stdout
-    by_rank = epoch_lines(trainer.stdout)
-    assert len(by_rank) == 2
-    assert by_rank == epoch_lines(finished[0]["spawn_all"][0].stdout)[:2]
-    losses = finished[1]["by_rank"]["losses"]["trainer"]
-    assert losses == finished[1]["spawn_all"]["losses"]["trainer"][:2]
+def test_the_profiled_timeline_shows_the_ps_embedding_lookup(finished):
+    """--profile: each rank writes its own trace (rpcrun would merge them; check_timeline does
+    here); ps looks up the embeddings (and decodes) for the trainer's steps 3 to 5."""
+    (run,) = finished[0]["spawn_all"]
+    check_timeline([run], run.log_dir / "trace", ["ps", "trainer"], "ps", {"aten::embedding"})
 
 
 def test_corpus_mode_learns_a_small_text(finished):
-    ps, trainer = finished[0]["corpus"]
+    trainer, ps = finished[0]["corpus"]
     summary = finished[1]["corpus"]
     for run in (ps, trainer):
         assert run.returncode == 0, run.output
+    # each rank its own command: ps's (rank 0's) ends with the summary of the trainer's figures
+    assert ps.stdout.strip().splitlines()[-1].startswith("Summary: loss ")
+    assert "Summary" not in trainer.stdout
     assert re.search(r"^Corpus .*small\.txt: 2100 words, 18 distinct$", trainer.stdout, re.M)
     perplexities = [ppl for _, _, ppl in epoch_lines(trainer.stdout)]
     assert len(perplexities) == 3
