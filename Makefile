@@ -106,11 +106,14 @@ bench: $(VENV)/.bench-installed
 
 # bench/FAULTS-<cores>-cores.md: every entry point in every launch mode under every fault a
 # user can cause, each command under rpcrun, and what each terminal showed (bench/faults.py;
-# about 45 minutes on 2 cores). PLAIN=1: the same with the plain commands, torch alone, into
+# about 2.5 hours on 2 cores). Each cell is recorded as it ends (bench/faults-<cores>-cores.json):
+# Ctrl-C stops it, and the next `make faults` picks up where it stopped. AGAIN=1: every cell
+# again. PLAIN=1: the same with the plain commands, torch alone, into
 # bench/FAULTS-plain-<cores>-cores.md. QUICK=1: param_server's main.py and actors.py alone,
-# every mode and fault (4 minutes). Both rewrite docs/failures.md's measured tables.
+# every mode and fault (8 minutes). The pages and docs/failures.md's measured tables are
+# written from the record.
 faults: $(VENV)/.dev-installed
-	$(PY) bench/faults.py $(if $(QUICK),--quick) $(if $(PLAIN),--plain)
+	$(PY) bench/faults.py $(if $(QUICK),--quick) $(if $(PLAIN),--plain) $(if $(AGAIN),--again)
 
 # docs/versions.md: every entry point in every launch mode on each torch minor from
 # requirements.txt's floor to the newest release, and on each Python that pyproject.toml claims,

@@ -33,13 +33,21 @@ in the order a terminal shows them. For each cell: each terminal's last line and
 the seconds from the fault until the last process of the cell is gone, and the processes left
 10 s after the terminals ended (then killed).
 
-    python bench/faults.py              # the whole matrix (about 45 minutes on 2 cores)
+Each cell is recorded as it ends, in bench/faults-<N>-cores.json (faults-plain-<N>-cores.json
+with --plain), with the commit it ran on. The pages are written from that record, after a run
+and when Ctrl-C or SIGTERM stops one: a run picks up where the last one stopped, skipping the
+cells already recorded, so that the matrix can run in parts. --again runs the chosen cells
+again (after a change to rpcrun or an example, say), replacing their records.
+
+    python bench/faults.py              # the whole matrix (hours on 2 cores; resumes)
     python bench/faults.py --plain      # the same with the plain commands
     python bench/faults.py --quick      # param_server/main.py and actors.py, every mode and fault
-    python bench/faults.py --program rl_cartpole/main.py --mode per-rank --fault stop
+    python bench/faults.py --program rl_cartpole/main.py --mode per-rank --fault stop --again
 """
 
 import argparse
+import datetime
+import json
 import os
 import platform
 import re
@@ -51,7 +59,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -637,6 +645,66 @@ def results_path(plain):
     return BENCH / f"FAULTS-{'plain-' if plain else ''}{CORES}-cores.md"
 
 
+def record_path(plain):
+    """Where the cells are recorded as they end: the pages are written from it."""
+    return BENCH / f"faults-{'plain-' if plain else ''}{CORES}-cores.json"
+
+
+def cell_key(program_path, mode, fault):
+    return f"{program_path} {mode} {fault}"
+
+
+def load_record(plain):
+    """The record of the cells run so far: {"cells": {key: cell and "commit", "date"},
+    "seconds": the minutes of every run together, in seconds}."""
+    path = record_path(plain)
+    record = json.loads(path.read_text()) if path.exists() else {}
+    record.setdefault("cells", {})
+    record.setdefault("seconds", 0.0)
+    return record
+
+
+def save_record(record, plain):
+    """Write the record whole (a temporary file, then renamed: never half a record)."""
+    path = record_path(plain)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    temporary.replace(path)
+
+
+def record_cell(record, cell, commit_ran):
+    record["cells"][cell_key(cell.program, cell.mode, cell.fault)] = {
+        **asdict(cell), "commit": commit_ran, "date": datetime.date.today().isoformat()}
+
+
+def recorded_cells(record, plain):
+    """The recorded cells, in the matrix's order, as Cells; and the commits they ran on."""
+    cells, commits = [], []
+    for program, mode, fault in whole_matrix(plain):
+        entry = record["cells"].get(cell_key(program.path, mode, fault))
+        if entry is None:
+            continue
+        fields = {name: value for name, value in entry.items() if name not in ("commit", "date")}
+        fields["terminals"] = [tuple(terminal) for terminal in fields["terminals"]]
+        cells.append(Cell(**fields))
+        if entry["commit"] not in commits:
+            commits.append(entry["commit"])
+    return cells, commits
+
+
+def commit():
+    """The checkout's commit (with "+" where files differ from it), which the cells ran. What
+    this script writes (the records, the pages, docs/failures.md) is not counted."""
+    def git(*words):
+        return subprocess.run(["git", *words], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip()
+    written_here = [f":(exclude){path.relative_to(ROOT)}" for plain in (False, True)
+                    for path in (record_path(plain), results_path(plain))]
+    written_here.append(":(exclude)docs/failures.md")
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", *written_here)
+    return (git("rev-parse", "--short", "HEAD") or "?") + ("+" if changed else "")
+
+
 def summary_table(cells, plain):
     """The table "By launch mode and fault": supervised, the cells as they should be, the
     statuses seen and the most seconds until every process was gone; plain, how many cells
@@ -675,14 +743,19 @@ def bounds(plain):
             f"without rpcrun, given {PLAIN_END_SECONDS} s after the fault")
 
 
-def write(cells, seconds, quick, plain):
-    flags = "".join(flag for flag, on in ((" --quick", quick), (" --plain", plain)) if on)
+def write(record, plain):
+    """The page of every recorded cell (bench/FAULTS-*.md), and docs/failures.md's table."""
+    cells, commits = recorded_cells(record, plain)
+    matrix = len(whole_matrix(plain))
+    flags = " --plain" if plain else ""
+    missing = "" if len(cells) == matrix else f" ({matrix - len(cells)} not run yet)"
     lines = [
         f"# What each terminal shows when something fails ({CORES} cores"
         f"{', the plain commands' if plain else ''})",
         "",
-        f"`python bench/faults.py{flags}` on {machine()}: {len(cells)} cells in "
-        f"{seconds / 60:.1f} minutes, {bounds(plain)}. A cell: an entry point, a launch mode, a "
+        f"`python bench/faults.py{flags}` on {machine()}: {len(cells)} of the matrix's {matrix} "
+        f"cells{missing}, {record['seconds'] / 60:.1f} minutes of runs in all, on commit(s) "
+        f"{', '.join(commits) or '?'}; {bounds(plain)}. A cell: an entry point, a launch mode, a "
         "fault (bench/faults.py's docstring says what each does). For each terminal: its last "
         "line, its exit status and the seconds from the fault until it ended; then the seconds "
         "until the last process of the cell was gone, and the processes left "
@@ -698,8 +771,7 @@ def write(cells, seconds, quick, plain):
     lines += ["", "## By launch mode and fault", "", "Over every entry point.", ""]
     table = summary_table(cells, plain)
     lines += [*table, ""]
-    if not quick:
-        write_failures_page(table, len(cells), len(broken), plain)
+    write_failures_page(table, len(cells), matrix, len(broken), commits, plain)
     for program in dict.fromkeys(cell.program for cell in cells):
         lines += [f"## {program}", "",
                   "| mode | fault | terminal: last line (status, seconds) | all gone (s) | "
@@ -721,7 +793,7 @@ def write(cells, seconds, quick, plain):
     results_path(plain).write_text("\n".join(lines))
 
 
-def write_failures_page(table, cells, broken, plain):
+def write_failures_page(table, cells, matrix, broken, commits, plain):
     """docs/failures.md's measured part, between its markers (one pair for each kind of run):
     the table "By launch mode and fault" of this run, so that the page's statuses and seconds
     are the ones measured."""
@@ -732,30 +804,36 @@ def write_failures_page(table, cells, broken, plain):
     before, _, rest = text.partition(begin)
     _, _, after = rest.partition(end)
     results = results_path(plain).relative_to(ROOT)
-    counted = f"Cells: {cells}" + ("" if plain else f"; as they should be: {cells - broken}")
+    counted = (f"Cells: {cells} of {matrix}" + ("" if cells == matrix else " (the others not "
+               "run yet)") + ("" if plain else f"; as they should be: {cells - broken}"))
     measured = [begin,
-                f"Measured by `{kind}` on {machine()}, {bounds(plain)}. {counted}. Each cell is "
-                f"in [{results}](../{results}).", "", *table, end]
+                f"Measured by `{kind}` on {machine()}, commit(s) {', '.join(commits) or '?'}, "
+                f"{bounds(plain)}. {counted}. Each cell is in [{results}](../{results}).", "",
+                *table, end]
     page.write_text(before + "\n".join(measured) + after)
 
 
-def cells_to_run(args):
-    programs = [BY_PATH[path] for path in (args.program or (QUICK if args.quick else BY_PATH))]
-    for program in programs:
+def cells_to_run(programs, modes, faults, plain):
+    """The cells of these programs, modes and faults (None: every one), in the matrix's order."""
+    for program in (BY_PATH[path] for path in (programs or BY_PATH)):
         for mode in program.modes:
-            if args.mode and mode not in args.mode:
+            if modes and mode not in modes:
                 continue
-            if args.plain and mode == "torchrun":
+            if plain and mode == "torchrun":
                 continue  # torchrun's cells are plain already
             for fault in FAULTS:
-                if args.fault and fault not in args.fault:
+                if faults and fault not in faults:
                     continue
                 if fault in PER_RANK_ONLY and mode != "per-rank":
                     continue
                 yield program, mode, fault
 
 
-def main():
+def whole_matrix(plain):
+    return list(cells_to_run(None, None, None, plain))
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plain", action="store_true",
@@ -771,9 +849,12 @@ def main():
     parser.add_argument("--one_at_a_time", "--one-at-a-time", action="store_true",
                         help="no cell beside another (by default the cells that mostly wait "
                              "for a bound run beside the others, one of each at a time)")
+    parser.add_argument("--again", action="store_true",
+                        help="run the chosen cells even where they are recorded, replacing "
+                             "their records (by default a run skips them)")
     parser.add_argument("--no_write", "--no-write", action="store_true",
-                        help=f"print the cells, do not write {results_path(False).name}")
-    args = parser.parse_args()
+                        help="print the cells; record nothing, write no page")
+    args = parser.parse_args(argv)
     # Each terminal gets Ctrl-C (SIGINT) as a terminal's command does. Started in the background
     # of a non-interactive shell (`make faults &`, nohup), this process inherits SIGINT ignored,
     # and so would every command it starts: the Monarch programs, which keep Python's handling of
@@ -782,7 +863,15 @@ def main():
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     started = time.monotonic()
-    todo = list(cells_to_run(args))
+    record = load_record(args.plain)
+    chosen = list(cells_to_run(args.program or (QUICK if args.quick else None), args.mode,
+                               args.fault, args.plain))
+    todo = [(program, mode, fault) for program, mode, fault in chosen
+            if args.again or args.no_write
+            or cell_key(program.path, mode, fault) not in record["cells"]]
+    print(f"{len(todo)} cell(s) to run, {len(chosen) - len(todo)} recorded already "
+          f"({record_path(args.plain).relative_to(ROOT)}; --again runs them again)", flush=True)
+    commit_ran = commit()
     printing = threading.Lock()
     cells = [None] * len(todo)
 
@@ -820,6 +909,9 @@ def main():
                 return
             cells[number] = cell
             with printing:
+                if not args.no_write:
+                    record_cell(record, cell, commit_ran)
+                    save_record(record, args.plain)
                 print(f"{program.path} {mode} {fault}: {check(cell) or 'ok'}; gone in "
                       f"{cell.seconds} s; the cell took {cell.wall} s", flush=True)
                 for name, line, status, ended in cell.terminals:
@@ -839,15 +931,26 @@ def main():
     except (KeyboardInterrupt, _Ended) as ended:
         count = end_every_terminal()
         shutil.rmtree(scratch, ignore_errors=True)
-        print(f"interrupted: ended the {count} terminal(s) of the cells under way; "
-              f"{results_path(args.plain).name} not written", file=sys.stderr, flush=True)
+        done = sum(1 for cell in cells if cell is not None)
+        if not args.no_write:
+            with printing:  # no lane records a cell now: the record is whole
+                record["seconds"] += time.monotonic() - started
+                save_record(record, args.plain)
+                write(record, args.plain)
+        print(f"interrupted: ended the {count} terminal(s) of the cells under way; {done} "
+              f"cell(s) of this run recorded" + ("" if args.no_write else
+                                                  ", and the pages written from the record; "
+                                                  "the next run picks up here"),
+              file=sys.stderr, flush=True)
         os._exit(130 if isinstance(ended, KeyboardInterrupt) else 143)
     shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.monotonic() - started
     if not args.no_write:
-        write(cells, seconds, args.quick, args.plain)
-        print(f"wrote {results_path(args.plain).relative_to(ROOT)}: {len(cells)} cells in "
-              f"{seconds / 60:.1f} min")
+        record["seconds"] += seconds
+        save_record(record, args.plain)
+        write(record, args.plain)
+        print(f"wrote {results_path(args.plain).relative_to(ROOT)} from "
+              f"{len(record['cells'])} recorded cells; {len(cells)} ran in {seconds / 60:.1f} min")
     return 0 if args.plain or not any(check(cell) for cell in cells) else 1
 
 
