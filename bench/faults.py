@@ -907,6 +907,10 @@ def main(argv=None):
                 cell = run_cell(program, mode, fault, folder, args.plain)
             except _Ended:  # the main thread ends every terminal, and this program
                 return
+            if _ending.is_set():
+                # This program was stopped and ended the cell's terminals: they did not end by
+                # the cell's fault, so the cell is not recorded (the next run runs it).
+                return
             cells[number] = cell
             with printing:
                 if not args.no_write:
