@@ -744,8 +744,11 @@ def bounds(plain):
 
 
 def write(record, plain):
-    """The page of every recorded cell (bench/FAULTS-*.md), and docs/failures.md's table."""
+    """The page of every recorded cell (bench/FAULTS-*.md), and docs/failures.md's table;
+    nothing while no cell is recorded (the pages keep what they say)."""
     cells, commits = recorded_cells(record, plain)
+    if not cells:
+        return
     matrix = len(whole_matrix(plain))
     flags = " --plain" if plain else ""
     missing = "" if len(cells) == matrix else f" ({matrix - len(cells)} not run yet)"
