@@ -664,12 +664,16 @@ def load_record(plain):
     return record
 
 
-def save_record(record, plain):
-    """Write the record whole (a temporary file, then renamed: never half a record)."""
-    path = record_path(plain)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+def write_whole(path, text):
+    """Write a file whole: a temporary file, then renamed, so that a stop in the middle never
+    leaves half of it."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
     temporary.replace(path)
+
+
+def save_record(record, plain):
+    write_whole(record_path(plain), json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 def record_cell(record, cell, commit_ran):
@@ -793,7 +797,7 @@ def write(record, plain):
             lines.append(f"| {mode} | {cell.fault} | {'<br>'.join(shown)} | "
                          f"{'' if cell.seconds is None else cell.seconds} | {cell.left} |")
         lines.append("")
-    results_path(plain).write_text("\n".join(lines))
+    write_whole(results_path(plain), "\n".join(lines))
 
 
 def write_failures_page(table, cells, matrix, broken, commits, plain):
@@ -813,7 +817,7 @@ def write_failures_page(table, cells, matrix, broken, commits, plain):
                 f"Measured by `{kind}` on {machine()}, commit(s) {', '.join(commits) or '?'}, "
                 f"{bounds(plain)}. {counted}. Each cell is in [{results}](../{results}).", "",
                 *table, end]
-    page.write_text(before + "\n".join(measured) + after)
+    write_whole(page, before + "\n".join(measured) + after)
 
 
 def cells_to_run(programs, modes, faults, plain):
@@ -874,7 +878,6 @@ def main(argv=None):
             or cell_key(program.path, mode, fault) not in record["cells"]]
     print(f"{len(todo)} cell(s) to run, {len(chosen) - len(todo)} recorded already "
           f"({record_path(args.plain).relative_to(ROOT)}; --again runs them again)", flush=True)
-    commit_ran = commit()
     printing = threading.Lock()
     cells = [None] * len(todo)
 
@@ -910,14 +913,14 @@ def main(argv=None):
                 cell = run_cell(program, mode, fault, folder, args.plain)
             except _Ended:  # the main thread ends every terminal, and this program
                 return
-            if _ending.is_set():
-                # This program was stopped and ended the cell's terminals: they did not end by
-                # the cell's fault, so the cell is not recorded (the next run runs it).
-                return
-            cells[number] = cell
             with printing:
+                if _ending.is_set():
+                    # This program was stopped and ended the cell's terminals: they did not end
+                    # by the cell's fault, so the cell is not recorded (the next run runs it).
+                    return
+                cells[number] = cell
                 if not args.no_write:
-                    record_cell(record, cell, commit_ran)
+                    record_cell(record, cell, commit())
                     save_record(record, args.plain)
                 print(f"{program.path} {mode} {fault}: {check(cell) or 'ok'}; gone in "
                       f"{cell.seconds} s; the cell took {cell.wall} s", flush=True)
@@ -936,29 +939,37 @@ def main(argv=None):
         for thread in threads:
             thread.join()
     except (KeyboardInterrupt, _Ended) as ended:
+        # A second Ctrl-C or SIGTERM must not cut this short: every terminal ends, and the
+        # record and the pages are written whole.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         count = end_every_terminal()
         shutil.rmtree(scratch, ignore_errors=True)
-        done = sum(1 for cell in cells if cell is not None)
-        if not args.no_write:
-            with printing:  # no lane records a cell now: the record is whole
+        with printing:  # no lane records a cell from now on: the record is whole
+            done = sum(1 for cell in cells if cell is not None)
+            if not args.no_write:
                 record["seconds"] += time.monotonic() - started
                 save_record(record, args.plain)
                 write(record, args.plain)
+        kept = ("nothing recorded (--no_write)" if args.no_write else
+                "each recorded, and the pages written from the record; the next run picks up "
+                "here")
         print(f"interrupted: ended the {count} terminal(s) of the cells under way; {done} "
-              f"cell(s) of this run recorded" + ("" if args.no_write else
-                                                  ", and the pages written from the record; "
-                                                  "the next run picks up here"),
-              file=sys.stderr, flush=True)
+              f"cell(s) of this run had ended, {kept}", file=sys.stderr, flush=True)
         os._exit(130 if isinstance(ended, KeyboardInterrupt) else 143)
     shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.monotonic() - started
-    if not args.no_write:
+    ran = [cell for cell in cells if cell is not None]
+    if args.no_write:
+        judged = ran
+    else:
         record["seconds"] += seconds
         save_record(record, args.plain)
         write(record, args.plain)
         print(f"wrote {results_path(args.plain).relative_to(ROOT)} from "
-              f"{len(record['cells'])} recorded cells; {len(cells)} ran in {seconds / 60:.1f} min")
-    return 0 if args.plain or not any(check(cell) for cell in cells) else 1
+              f"{len(record['cells'])} recorded cells; {len(ran)} ran in {seconds / 60:.1f} min")
+        judged = recorded_cells(record, args.plain)[0]  # the status says what the page says
+    return 0 if args.plain or not any(check(cell) for cell in judged) else 1
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ business, and takes hours."""
 
 import importlib.util
 import json
+import os
 import signal
+import time
 
 import pytest
 from conftest import ROOT
@@ -30,9 +32,13 @@ def faults(monkeypatch, tmp_path):
     monkeypatch.setattr(module, "BENCH", tmp_path / "bench")
     module.ran = []
 
+    module.during = {}  # the cell's number in this test -> what it does before it ends
+
     def stand_in(program, mode, fault, folder, plain=False):
         module.ran.append((program.path, mode, fault))
-        cell = module.Cell(program.path, mode, fault, seconds=1.5, wall=3.0)
+        module.during.get(len(module.ran), lambda: None)()
+        # wall: the cell's number in this test, to tell a cell's runs apart
+        cell = module.Cell(program.path, mode, fault, seconds=1.5, wall=len(module.ran))
         status = module.PIPE_CLOSED if fault == "pipe-closed" else 1
         cell.terminals = [("rank 0", f"rpcrun: rank 0 ended: {fault}", status, 1.5),
                           ("rank 1", f"rpcrun: rank 1 {fault}", status, 1.0)]
@@ -70,11 +76,49 @@ def test_a_later_run_skips_the_recorded_cells_and_again_runs_them(faults, tmp_pa
     assert not set(faults.ran) & set(first)  # the spawn-all cells were recorded: skipped
     assert {mode for _, mode, _ in faults.ran} == {"per-rank"}
     assert f"12 cell(s) to run, {len(first)} recorded already" in capsys.readouterr().out
+    path = tmp_path / "bench" / f"faults-{faults.CORES}-cores.json"
+    before = json.loads(path.read_text())["cells"][f"{PROGRAM} spawn-all stop"]
     faults.ran.clear()
     faults.main(["--program", PROGRAM, "--mode", "spawn-all", "--fault", "stop", "--again"])
     assert faults.ran == [(PROGRAM, "spawn-all", "stop")]
-    record = json.loads((tmp_path / "bench" / f"faults-{faults.CORES}-cores.json").read_text())
+    record = json.loads(path.read_text())
     assert len(record["cells"]) == len(first) + 12
+    assert record["cells"][f"{PROGRAM} spawn-all stop"]["wall"] != before["wall"]  # replaced
+
+
+def test_a_cell_that_the_programs_own_stop_ended_is_not_recorded(faults, tmp_path):
+    """The second cell's terminals are ended by this program's stop: it is left for the next
+    run, and the cell before it stays recorded."""
+    faults.during[2] = faults.end_every_terminal
+    faults.main(["--program", PROGRAM, "--mode", "spawn-all", "--one_at_a_time"])
+    record = json.loads((tmp_path / "bench" / f"faults-{faults.CORES}-cores.json").read_text())
+    assert list(record["cells"]) == [f"{PROGRAM} {mode} {fault}"
+                                     for _, mode, fault in faults.ran[:1]]
+
+
+def test_sigterm_records_the_cells_that_ended_and_writes_the_pages(faults, tmp_path,
+                                                                    monkeypatch, capsys):
+    """SIGTERM to make faults while its third cell runs: the two cells before it are recorded
+    and on the pages, the third is not, and the status is 143."""
+    def sigterm():
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not faults._ending.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the main thread takes the signal, and ends every terminal
+
+    def leave(status):
+        raise SystemExit(status)
+
+    faults.during[3] = sigterm
+    monkeypatch.setattr(faults.os, "_exit", leave)
+    with pytest.raises(SystemExit) as left:
+        faults.main(["--program", PROGRAM, "--mode", "spawn-all", "--one_at_a_time"])
+    assert left.value.code == 143
+    record = json.loads((tmp_path / "bench" / f"faults-{faults.CORES}-cores.json").read_text())
+    assert len(faults.ran) == 3 and len(record["cells"]) == 2
+    page = (tmp_path / "bench" / f"FAULTS-{faults.CORES}-cores.md").read_text()
+    assert "2 of the matrix's" in page
+    assert "2 cell(s) of this run had ended" in capsys.readouterr().err
 
 
 def test_no_write_records_nothing(faults, tmp_path):
