@@ -109,11 +109,13 @@ bench: $(VENV)/.bench-installed
 # about 2.5 hours on 2 cores). Each cell is recorded as it ends (bench/faults-<cores>-cores.json):
 # Ctrl-C stops it, and the next `make faults` picks up where it stopped. AGAIN=1: every cell
 # again. PLAIN=1: the same with the plain commands, torch alone, into
-# bench/FAULTS-plain-<cores>-cores.md. QUICK=1: param_server's main.py and actors.py alone,
-# every mode and fault (8 minutes). The pages and docs/failures.md's measured tables are
-# written from the record.
-faults: $(VENV)/.dev-installed
-	$(PY) bench/faults.py $(if $(QUICK),--quick) $(if $(PLAIN),--plain) $(if $(AGAIN),--again)
+# bench/FAULTS-plain-torch<minor>-<cores>-cores.md; TORCH=oldest: on the oldest torch that
+# requirements.txt allows (.venv-oldest), as docs/failures.md shows both. QUICK=1: param_server's
+# main.py and actors.py alone, every mode and fault (8 minutes). The pages and docs/failures.md's
+# measured tables are written from the record.
+FAULTS_PY := $(if $(filter oldest,$(TORCH)),$(OLDEST)/bin/python,$(PY))
+faults: $(VENV)/.dev-installed $(if $(filter oldest,$(TORCH)),$(OLDEST)/.installed)
+	$(FAULTS_PY) bench/faults.py $(if $(QUICK),--quick) $(if $(PLAIN),--plain) $(if $(AGAIN),--again)
 
 # docs/versions.md: every entry point in every launch mode on each torch minor from
 # requirements.txt's floor to the newest release, and on each Python that pyproject.toml claims,

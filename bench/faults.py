@@ -7,8 +7,9 @@ one command, `spawn-all`; a rank a terminal, `per-rank`, started in a changing o
 the Monarch programs' own, `monarch`) and a fault. Every terminal runs its command under the
 supervisor, `python -m rpc_harness COMMAND` (rpcrun), but torchrun's, which supervises its own
 workers. With --plain, the same cells run the plain commands (torch alone, no rpcrun; torchrun's
-cells are the same either way, and left out), into bench/FAULTS-plain-<N>-cores.md: a cell still
-running PLAIN_END_SECONDS after its fault is ended and shown as "running". The faults:
+cells are the same either way, and left out), into bench/FAULTS-plain-torch<T>-<N>-cores.md (T:
+torch's minor version, as the plain commands are measured on the newest and the oldest): a cell
+still running PLAIN_END_SECONDS after its fault is ended and shown as "running". The faults:
 
     kill-rank      SIGKILL of a rank's own process (an actor's process, for Monarch)
     kill-command   SIGKILL of the command a user started (rpcrun, or the plain command)
@@ -33,11 +34,12 @@ in the order a terminal shows them. For each cell: each terminal's last line and
 the seconds from the fault until the last process of the cell is gone, and the processes left
 10 s after the terminals ended (then killed).
 
-Each cell is recorded as it ends, in bench/faults-<N>-cores.json (faults-plain-<N>-cores.json
-with --plain), with the commit it ran on. The pages are written from that record, after a run
-and when Ctrl-C or SIGTERM stops one: a run picks up where the last one stopped, skipping the
-cells already recorded, so that the matrix can run in parts. --again runs the chosen cells
-again (after a change to rpcrun or an example, say), replacing their records.
+Each cell is recorded as it ends, in bench/faults-<N>-cores.json
+(faults-plain-torch<T>-<N>-cores.json with --plain), with the commit it ran on. The pages are
+written from that record, after a run and when Ctrl-C or SIGTERM stops one: a run picks up
+where the last one stopped, skipping the cells already recorded, so that the matrix can run in
+parts. --again runs the chosen cells again (after a change to rpcrun or an example, say),
+replacing their records.
 
     python bench/faults.py              # the whole matrix (hours on 2 cores; resumes)
     python bench/faults.py --plain      # the same with the plain commands
@@ -69,6 +71,9 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 PY = sys.executable
 CORES = len(os.sched_getaffinity(0))
+# The plain commands are torch's own doing, measured on more than one torch (the newest and the
+# oldest that requirements.txt allows): their record and page are named by its minor version.
+TORCH_MINOR = ".".join(torch.__version__.split("+")[0].split(".")[:2])
 INJECTION = BENCH / "fault_injection"
 # rpcrun's bounds in the cells: short, so that the waits they bound end soon (its own: 60 s to
 # join, 30 s lost). Monarch's --call_timeout, the same as --lost_timeout.
@@ -641,13 +646,17 @@ PLAIN_HEADER = ("| mode | fault | ended within {seconds} s | statuses | cells wi
                 "| cells with processes left |")
 
 
+def _named(plain):
+    return f"plain-torch{TORCH_MINOR}-{CORES}-cores" if plain else f"{CORES}-cores"
+
+
 def results_path(plain):
-    return BENCH / f"FAULTS-{'plain-' if plain else ''}{CORES}-cores.md"
+    return BENCH / f"FAULTS-{_named(plain)}.md"
 
 
 def record_path(plain):
     """Where the cells are recorded as they end: the pages are written from it."""
-    return BENCH / f"faults-{'plain-' if plain else ''}{CORES}-cores.json"
+    return BENCH / f"faults-{_named(plain)}.json"
 
 
 def cell_key(program_path, mode, fault):
@@ -806,8 +815,13 @@ def write_failures_page(table, cells, matrix, broken, commits, plain):
     are the ones measured."""
     page = ROOT / "docs" / "failures.md"
     kind = "make faults PLAIN=1" if plain else "make faults"
-    begin, end = f"<!-- {kind}: begin -->", f"<!-- {kind}: end -->"
+    marker = f"{kind}, torch {TORCH_MINOR}" if plain else kind
+    begin, end = f"<!-- {marker}: begin -->", f"<!-- {marker}: end -->"
     text = page.read_text()
+    if begin not in text or end not in text:
+        print(f"{page.relative_to(ROOT)} has no table for this run (no {begin} and {end}): "
+              f"only {results_path(plain).relative_to(ROOT)} is written", flush=True)
+        return
     before, _, rest = text.partition(begin)
     _, _, after = rest.partition(end)
     results = results_path(plain).relative_to(ROOT)

@@ -125,3 +125,27 @@ def test_no_write_records_nothing(faults, tmp_path):
     faults.main(["--program", PROGRAM, "--mode", "torchrun", "--no_write"])
     assert faults.ran
     assert not list((tmp_path / "bench").iterdir())
+
+
+def test_the_plain_commands_are_recorded_by_torch_and_fill_that_torchs_table(faults, tmp_path):
+    page = tmp_path / "docs" / "failures.md"
+    marker = f"make faults PLAIN=1, torch {faults.TORCH_MINOR}"
+    page.write_text(f"# Failures\n\n<!-- {marker}: begin -->\nNot measured yet.\n"
+                    f"<!-- {marker}: end -->\n\nThe rest of the page.\n")
+    faults.main(["--plain", "--program", PROGRAM, "--mode", "per-rank", "--fault", "kill-rank"])
+    named = f"plain-torch{faults.TORCH_MINOR}-{faults.CORES}-cores"
+    assert (tmp_path / "bench" / f"faults-{named}.json").exists()
+    assert (tmp_path / "bench" / f"FAULTS-{named}.md").exists()
+    text = page.read_text()
+    assert "Not measured yet." not in text
+    assert "| per-rank | kill-rank | 1 of 1 |" in text
+    assert text.endswith("\nThe rest of the page.\n")
+
+
+def test_a_page_without_the_runs_markers_is_left_as_it_is(faults, tmp_path, capsys):
+    page = tmp_path / "docs" / "failures.md"
+    page.write_text("# Failures\n\nNo measured tables here.\n")
+    faults.main(["--program", PROGRAM, "--mode", "torchrun", "--fault", "raise"])
+    assert page.read_text() == "# Failures\n\nNo measured tables here.\n"
+    assert "docs/failures.md has no table for this run" in capsys.readouterr().out
+    assert (tmp_path / "bench" / f"FAULTS-{faults.CORES}-cores.md").exists()
