@@ -150,8 +150,11 @@ PROGRAMS = [
     Program("pipeline_parallel/pipelining.py", 2, ["--num_split", 2, "--num_batches", 100000,
                                                    "--batch_size", 4, "--schedule", "GPipe"],
             r"^GPipe, n_microbatches 2, batch 1:", raises=("torch.optim:SGD.step", 1, 3)),
+    # The recipe has no loop to make endless: its run is under way once a worker has joined
+    # (its profiles' tables are empty on today's torch, which records the caller alone).
     Program("rpc_profiling/main.py", 2, [],
-            r"^-{20,}", raises=("torch:rand", 1, 1), caller=0),
+            r"^DEBUG:root:worker\d successfully initialized RPC\.$", raises=("torch:rand", 1, 1),
+            caller=0),
 ]
 BY_PATH = {program.path: program for program in PROGRAMS}
 FAULTS = ["kill-rank", "kill-command", "ctrl-c", "ctrl-c-again", "sigterm", "sigterm-again",
