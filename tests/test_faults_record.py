@@ -4,6 +4,7 @@ The cells here are stand-ins (no process starts): what a real cell shows is make
 business, and takes hours."""
 
 import importlib.util
+import itertools
 import json
 import os
 import signal
@@ -32,13 +33,14 @@ def faults(monkeypatch, tmp_path):
     monkeypatch.setattr(module, "BENCH", tmp_path / "bench")
     module.ran = []
 
-    module.during = {}  # the cell's number in this test -> what it does before it ends
+    module.during = {}  # the cell's number in a run -> what it does before it ends
+    made = itertools.count(1)
 
     def stand_in(program, mode, fault, folder, plain=False):
         module.ran.append((program.path, mode, fault))
         module.during.get(len(module.ran), lambda: None)()
-        # wall: the cell's number in this test, to tell a cell's runs apart
-        cell = module.Cell(program.path, mode, fault, seconds=1.5, wall=len(module.ran))
+        # wall: a number that no other cell of the test has, to tell a cell's runs apart
+        cell = module.Cell(program.path, mode, fault, seconds=1.5, wall=next(made))
         status = module.PIPE_CLOSED if fault == "pipe-closed" else 1
         cell.terminals = [("rank 0", f"rpcrun: rank 0 ended: {fault}", status, 1.5),
                           ("rank 1", f"rpcrun: rank 1 {fault}", status, 1.0)]
