@@ -786,8 +786,10 @@ def write_report(state, path=REPORT, lent=None):
                                for c in record.get("commits", [])})
         lines += ["## On a GPU machine", "",
                   f"The same runs on a lent machine ({lent.get('machine', '?')}), "
-                  f"{lent.get('updated', '?')}, with the torch it has (a CUDA build), nothing "
-                  f"installed: `--here`. Commits: {', '.join(lent_commits) or '?'}. These runs "
+                  f"{lent.get('updated', '?')}, with the torch it has (a CUDA build): "
+                  "`--here` installs nothing (a package the machine lacked travelled as a "
+                  "wheel; the versions that ran are in bench/versions-gpu.json). Commits: "
+                  f"{', '.join(lent_commits) or '?'}. These runs "
                   "use the CPU, as the READMEs' first commands do. The GPU paths are the `gpu` "
                   "tests (tests/test_gpu.py, `pytest -m gpu`). A – here means that the "
                   "machine did not have the package: torchmonarch was not installed there.", ""]
