@@ -35,14 +35,19 @@ from .timeline import write_timeline
 # How long a line on the command's standard error is held before it is shown (and every line
 # after it, so that the lines keep their order), so that a traceback that follows from another
 # rank's end (which rank 0's verdict names soon after) can be left out; a traceback is held
-# until its process ends, or TRACEBACK_HOLD_SECONDS without a new line.
+# until its process ends, or TRACEBACK_HOLD_SECONDS without a new line. A rank's process takes
+# seconds to end after its traceback (torch's teardown: 2.4 s for pipelining.py on 2 idle
+# cores, over 5 s on busy ones), and the verdict comes CAUSE_SECONDS after that.
 HOLD_SECONDS = 1.0
-TRACEBACK_HOLD_SECONDS = 5.0
+TRACEBACK_HOLD_SECONDS = 15.0
 # How long rank 0 waits, after a rank failed, for a cause from outside from another rank (a
-# rank killed ends its command a moment after its peers lose it); and how long a rank whose
-# command failed waits for rank 0's verdict.
+# rank killed ends its command a moment after its peers lose it); how much longer it waits for
+# the ending of a rank whose traceback came before that of every failure reported (the rank
+# whose error ended the others' runs, but whose process was slower to end); and how long a
+# rank whose command failed waits for rank 0's verdict (more than the two waits together).
 CAUSE_SECONDS = 1.5
-VERDICT_SECONDS = 4.0
+FIRST_FAILURE_SECONDS = 2.5
+VERDICT_SECONDS = 6.0
 # SIGTERM, then this long, then SIGKILL: Ctrl-C ends a rank within 2 s.
 GRACE_SECONDS = 1.0
 # How often the command's processes are looked at for one that is stopped.
@@ -104,10 +109,13 @@ class Ending:
     others: str
     status: int
     cause: bool
+    # A failure: when its command's first traceback began (time.time(), as its supervisor read
+    # it), which orders failures by their start rather than by their commands' ends.
+    traceback_at: float | None = None
 
     def message(self):
         return {"rank": self.rank, "line": self.line, "others": self.others,
-                "status": self.status, "cause": self.cause}
+                "status": self.status, "cause": self.cause, "traceback_at": self.traceback_at}
 
 
 @dataclass(eq=False)
@@ -123,6 +131,9 @@ class Supervisor:
     err_lines: Lines = field(default_factory=Lines)
     held: list = field(default_factory=list)  # Held lines of the command, not yet shown
     traceback_at: float | None = None  # when the last line of a held traceback came
+    first_traceback_wall: float | None = None  # when the command's first traceback began
+    tracebacks: dict = field(default_factory=dict)  # rank 0: rank -> its first traceback's time
+    waited_for_first: bool = False  # rank 0: it waited FIRST_FAILURE_SECONDS once already
     recent_errors: collections.deque = field(  # the last lines of standard error, shown or not
         default_factory=lambda: collections.deque(maxlen=400))
     listener: socket.socket | None = None  # rank 0's
@@ -284,12 +295,31 @@ class Supervisor:
     def on_errors(self, fd):
         data = self.read(fd)
         lines = self.err_lines.feed(data) if data else self.err_lines.rest()
-        now = time.monotonic()
         for line in lines:
-            if line.startswith(TRACEBACK.encode()) or self.traceback_at is not None:
-                self.traceback_at = now
-            self.held.append(Held(now + HOLD_SECONDS, sys.stderr, line))
-            self.recent_errors.append(self.held[-1].text)
+            self.hold_error(line)
+
+    def hold_error(self, line):
+        """Hold a line of the command's standard error: HOLD_SECONDS, or, in a traceback, until
+        TRACEBACK_HOLD_SECONDS after its last line. Rank 0 hears when the command's first
+        traceback began."""
+        now = time.monotonic()
+        if line.startswith(TRACEBACK.encode()):
+            if self.first_traceback_wall is None:
+                self.first_traceback_wall = time.time()
+                self.on_first_traceback()
+            self.traceback_at = now
+        elif self.traceback_at is not None:
+            self.traceback_at = now
+        self.held.append(Held(now + HOLD_SECONDS, sys.stderr, line))
+        self.recent_errors.append(self.held[-1].text)
+
+    def on_first_traceback(self):
+        if not self.command.meets:
+            return
+        if self.command.rank == 0:
+            self.tracebacks[0] = self.first_traceback_wall
+        elif self.to_rank_0 is not None:
+            self.to_rank_0.send("traceback", at=self.first_traceback_wall)
 
     def read(self, fd):
         """What the command wrote; b"" at its end (a pty's end reads as an error, EIO)."""
@@ -340,9 +370,10 @@ class Supervisor:
                 except OSError:
                     data = b""
                 for line in lines.feed(data) if data else lines.rest():
-                    self.held.append(Held(0.0, stream, line))
                     if stream is sys.stderr:
-                        self.recent_errors.append(self.held[-1].text)
+                        self.hold_error(line)  # a traceback here may follow another's end
+                    else:
+                        self.held.append(Held(0.0, stream, line))
                 if not data:
                     break
 
@@ -385,7 +416,7 @@ class Supervisor:
                                       f"({last or 'status 2'})", 2, False)
         why = last or f"status {status}"
         return Ending(rank, f"rank {rank} failed ({why})", f"rank {rank} failed ({why})",
-                      status, False)
+                      status, False, self.first_traceback_wall)
 
     def spawn_failure(self, lines, status):
         """A command that started every rank (mp.spawn) ended with `status`: mp.spawn's report
@@ -503,7 +534,7 @@ class Supervisor:
         if self.endings and self.deciding_until is None:
             return  # decided already
         self.endings.append(ending)
-        if ending.cause:
+        if ending.cause or self.waited_for_first:  # the cause, or the failure waited for
             self.decide()
         elif self.deciding_until is None:
             self.deciding_until = time.monotonic() + CAUSE_SECONDS
@@ -517,12 +548,29 @@ class Supervisor:
 
     def decide(self):
         """Rank 0: the verdict, from the endings reported so far (a cause before a failure,
-        then the first), to every rank; then this rank ends by it."""
+        then the failure whose traceback began first), to every rank; then this rank ends by
+        it. Where a rank not yet ended began a traceback before every failure reported, its
+        ending is waited for, FIRST_FAILURE_SECONDS once."""
         self.deciding_until = None
-        verdict = next((e for e in self.endings if e.cause), self.endings[0])
+        verdict = next((e for e in self.endings if e.cause), None)
+        if verdict is None:
+            verdict = min(self.endings, key=self.failure_order)
+            ended = {ending.rank for ending in self.endings}
+            earlier = [rank for rank, at in self.tracebacks.items() if rank not in ended
+                       and at < (verdict.traceback_at or float("inf"))]
+            if earlier and not self.waited_for_first:
+                self.waited_for_first = True
+                self.deciding_until = time.monotonic() + FIRST_FAILURE_SECONDS
+                return
         for link in self.all_links():
             link.send("verdict", **verdict.message())
         self.end_by(verdict)
+
+    def failure_order(self, ending):
+        """Failures in the order their tracebacks began (as the supervisors read them), those
+        without one after, each in the order rank 0 heard of it."""
+        began = ending.traceback_at
+        return (began is None, began or 0.0, self.endings.index(ending))
 
     def end_by(self, verdict):
         """End by the verdict: this rank's own line where it is the rank that ended the run,
@@ -640,7 +688,8 @@ class Supervisor:
                 other.send("joined")
             self.say(f"all {self.command.world_size} ranks have joined")
         elif self.endings:  # the run is ending already: tell the newcomer why
-            verdict = next((e for e in self.endings if e.cause), self.endings[0])
+            verdict = next((e for e in self.endings if e.cause),
+                           min(self.endings, key=self.failure_order))
             link.send("verdict", **verdict.message())
 
     def refusal(self, hello):
@@ -693,6 +742,10 @@ class Supervisor:
     def on_ending(self, link, message):
         if self.command.rank == 0 and link.rank is not None:
             self.consider(ending_from(message))
+
+    def on_traceback(self, link, message):
+        if self.command.rank == 0 and link.rank is not None:
+            self.tracebacks.setdefault(link.rank, float(message.get("at") or 0.0))
 
     def on_verdict(self, link, message):
         if self.command.rank != 0:
@@ -752,12 +805,15 @@ class Supervisor:
 
 
 # The kinds of message that on_message hands to a handler.
-MESSAGES = {"hello", "welcome", "refused", "joined", "beat", "done", "ending", "verdict"}
+MESSAGES = {"hello", "welcome", "refused", "joined", "beat", "done", "ending", "traceback",
+            "verdict"}
 
 
 def ending_from(message):
+    began = message.get("traceback_at")
     return Ending(message.get("rank"), message.get("line"), str(message.get("others", "")),
-                  int(message.get("status", 1)), bool(message.get("cause")))
+                  int(message.get("status", 1)), bool(message.get("cause")),
+                  float(began) if began is not None else None)
 
 
 def output_closed():

@@ -136,6 +136,19 @@ def test_a_rank_whose_code_raises_is_named_in_every_terminal(runs):
             f"rpcrun: rank {rank} ended: rank 1 failed (ValueError: rank 1 went wrong)", 1)
 
 
+def test_the_rank_whose_error_came_first_is_named_though_its_process_ends_last(runs):
+    """Rank 1 raises and its process takes 3 s to end (as torch tears down); rank 0 raises half
+    a second later, as a peer that lost rank 1 does, and ends at once: rank 1 is named, and
+    rank 0's traceback, which followed from it, is left out."""
+    world = World(runs, 2, "--seconds", 1, "--fail", 1, 0, "--slow_end", 1)
+    world.start_all()
+    terminals = world.wait_all()
+    assert last_lines(terminals[1]) == ("rpcrun: rank 1 failed (ValueError: rank 1 went wrong)", 1)
+    assert last_lines(terminals[0]) == (
+        "rpcrun: rank 0 ended: rank 1 failed (ValueError: rank 1 went wrong)", 1)
+    assert "Traceback (most recent call last):" not in terminals[0].output, terminals[0].output
+
+
 # A rank whose RPC to trainer1 raised there (param_server/batch.py, whose server runs each
 # trainer's loop by RPC): the end of its traceback, as torch's RPC carries the callee's
 # exception back to the caller.

@@ -9,6 +9,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 
 
@@ -23,7 +24,11 @@ def run(rank, args):
     deadline = time.monotonic() + args.seconds + (0.5 if rank == 0 else 0.0)
     while time.monotonic() < deadline:
         time.sleep(0.05)
-    if rank == args.fail:
+    if rank in args.fail:
+        if rank == args.slow_end:
+            # a thread that the process waits for as it ends, after its traceback: as a rank's
+            # process whose torch tears down for seconds
+            threading.Thread(target=time.sleep, args=(3.0,)).start()
         raise ValueError(f"rank {rank} went wrong")
     if rank in args.hang:
         while True:
@@ -45,7 +50,10 @@ def main():
     parser.add_argument("--master_addr", default="localhost")
     parser.add_argument("--master_port", type=str, default="29500")
     parser.add_argument("--seconds", type=float, default=1.0)
-    parser.add_argument("--fail", type=int, default=None, help="this rank raises at the end")
+    parser.add_argument("--fail", type=int, nargs="*", default=[],
+                        help="these ranks raise at the end (rank 0 half a second after others)")
+    parser.add_argument("--slow_end", type=int, default=None,
+                        help="this rank's process takes 3 s to end after its traceback")
     parser.add_argument("--hang", type=int, nargs="*", default=[],
                         help="these ranks wait for ever once done")
     parser.add_argument("--warn", type=int, default=None, help="this rank warns on stderr")
