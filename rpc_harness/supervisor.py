@@ -69,6 +69,8 @@ SIGNAL_WORDS = {signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGTERM: "interrup
 SPAWN_SIGNAL = re.compile(r"process (\d+) terminated with signal (\w+)")
 SPAWN_EXIT = re.compile(r"process (\d+) terminated with exit code (\d+)")
 SPAWN_RAISED = re.compile(r"^-- Process (\d+) terminated with the following error:")
+# mp.spawn's warning as it ends the other ranks (2.4 to 2.15).
+SPAWN_TERMINATING = re.compile(r"Terminating process \d+ via signal")
 TRACEBACK = "Traceback (most recent call last):"
 # An exception that torch's RPC carried back from the worker whose code raised it: the caller's
 # traceback ends with "On WorkerInfo(id=N, name=NAME):", the exception's repr, the callee's own
@@ -436,7 +438,7 @@ class Supervisor:
             killed = SPAWN_SIGNAL.search(line)
             exited = SPAWN_EXIT.search(line)
             if killed or exited:
-                self.leave_out_the_last_traceback()
+                self.leave_out_what_followed()
             if killed:
                 number = getattr(signal, killed.group(2), None)
                 status = 128 + int(number) if number else 1
@@ -775,6 +777,13 @@ class Supervisor:
         if starts:
             self.held = self.held[:starts[-1]] + [
                 held for held in self.held[starts[-1]:] if held.stream is sys.stdout]
+
+    def leave_out_what_followed(self):
+        """A rank of one command was killed or exited without a traceback: leave out the held
+        lines of standard error (the other ranks' errors at losing it, tracebacks that torch's
+        RPC carried, mp.spawn's own), but for mp.spawn's word that it ends the other ranks."""
+        self.held = [held for held in self.held if held.stream is sys.stdout
+                     or SPAWN_TERMINATING.search(held.text)]
 
     def end(self, ending):
         """The one way a run ends but for success: the command and every process of it ended,
