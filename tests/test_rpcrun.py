@@ -136,11 +136,12 @@ def test_a_rank_whose_code_raises_is_named_in_every_terminal(runs):
             f"rpcrun: rank {rank} ended: rank 1 failed (ValueError: rank 1 went wrong)", 1)
 
 
-def test_the_rank_whose_error_came_first_is_named_though_its_process_ends_last(runs):
-    """Rank 1 raises and its process takes 3 s to end (as torch tears down); rank 0 raises half
-    a second later, as a peer that lost rank 1 does, and ends at once: rank 1 is named, and
+def test_the_rank_whose_error_came_first_is_named_though_its_process_ends_last(runs, tmp_path):
+    """Rank 1 raises and its process takes 3 s to end (as torch tears down); rank 0 raises a
+    second after it, as a peer that lost rank 1 does, and ends at once: rank 1 is named, and
     rank 0's traceback, which followed from it, is left out."""
-    world = World(runs, 2, "--seconds", 1, "--fail", 1, 0, "--slow_end", 1)
+    world = World(runs, 2, "--seconds", 1, "--fail", 1, 0, "--slow_end", 1,
+                  "--mark", tmp_path / "rank 1 raised")
     world.start_all()
     terminals = world.wait_all()
     assert last_lines(terminals[1]) == ("rpcrun: rank 1 failed (ValueError: rank 1 went wrong)", 1)

@@ -25,10 +25,18 @@ def run(rank, args):
     while time.monotonic() < deadline:
         time.sleep(0.05)
     if rank in args.fail:
+        if args.mark and rank != args.slow_end:
+            # as a peer that lost the rank that failed first: an error of its own a second on
+            waited = time.monotonic() + 30
+            while not os.path.exists(args.mark) and time.monotonic() < waited:
+                time.sleep(0.05)
+            time.sleep(1.0)
         if rank == args.slow_end:
             # a thread that the process waits for as it ends, after its traceback: as a rank's
             # process whose torch tears down for seconds
             threading.Thread(target=time.sleep, args=(3.0,)).start()
+            if args.mark:
+                open(args.mark, "w").close()
         raise ValueError(f"rank {rank} went wrong")
     if rank in args.hang:
         while True:
@@ -54,6 +62,9 @@ def main():
                         help="these ranks raise at the end (rank 0 half a second after others)")
     parser.add_argument("--slow_end", type=int, default=None,
                         help="this rank's process takes 3 s to end after its traceback")
+    parser.add_argument("--mark", default=None,
+                        help="the --slow_end rank makes this file as it raises; the other ranks "
+                             "of --fail raise 1 s after it appears")
     parser.add_argument("--hang", type=int, nargs="*", default=[],
                         help="these ranks wait for ever once done")
     parser.add_argument("--warn", type=int, default=None, help="this rank warns on stderr")
