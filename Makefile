@@ -6,8 +6,9 @@
 # rpcrun. The examples import none of it. A requirements file or pyproject.toml that changed is
 # reinstalled (stamp files).
 # `make test-oldest`: on the oldest versions requirements.txt allows, in .venv-oldest
-# (requirements-oldest.txt pins them), the quick tests, and every entry point end to end once
-# in each launch mode (tests/test_launch_modes.py).
+# (requirements-oldest.txt pins them), the quick tests, every entry point end to end once
+# in each launch mode (tests/test_launch_modes.py), and the faults of real runs that make
+# faults' matrix also runs (the tests marked faults).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -29,11 +30,11 @@ $(VENV)/.dev-installed: requirements-newest.txt requirements-dev.txt pyproject.t
 	touch $@
 
 # pyproject.toml's addopts run the tests on two workers, a whole file each (pytest-xdist).
-# make test leaves tests/test_launch_modes.py to make test-oldest (pyproject.toml's
-# launch_modes marker says why).
+# make test leaves tests/test_launch_modes.py and the faults that make faults' matrix also runs
+# to make test-oldest (pyproject.toml's launch_modes and faults markers say why).
 test: $(VENV)/.dev-installed
 	$(PY) -m ruff check .
-	$(PY) -m pytest -m "not launch_modes" --durations=25
+	$(PY) -m pytest -m "not launch_modes and not faults" --durations=25
 
 test-quick: $(VENV)/.dev-installed
 	$(PY) -m ruff check .
@@ -48,7 +49,7 @@ $(OLDEST)/.installed: requirements-oldest.txt requirements-dev.txt pyproject.tom
 
 test-oldest: $(OLDEST)/.installed
 	$(OLDEST)/bin/python -m pytest -m "not slow"
-	$(OLDEST)/bin/python -m pytest -m launch_modes
+	$(OLDEST)/bin/python -m pytest -m "launch_modes or faults"
 
 # The tour: each program's README command, made shorter by flags only (batches, episodes,
 # epochs, and where to write), the plain command, as a reader runs it; the last one under rpcrun.

@@ -571,13 +571,13 @@ QUICK_RUNS = {("test_param_server", "two_trainers")}
 
 # pytest-xdist hands whole files to the two workers (pyproject.toml's addopts), in the order of
 # collection. Longest first, so that no long file is left for last while the other worker has
-# nothing to do. In `make test` on 2 cores (2026-11-28) the files named here took 219, 162,
-# 157, 127, 85, 68, 45, 42, 38, 27, 22 and 17 s of a worker's time; a file not named here goes
-# last.
-LONGEST_FIRST = ["test_failures", "test_rl_cartpole", "test_param_server", "test_pipeline_parallel",
-                 "test_ddp_rpc_hybrid", "test_monarch_runs", "test_rnn_model_parallel",
-                 "test_rpcrun", "test_cuda_rpc", "test_bench", "test_rpc_profiling",
-                 "test_versions"]
+# nothing to do. In `make test` on 2 cores (2026-11-29) the files named here took about 177,
+# 158, 139, 116, 104, 47, 41, 35, 32, 24, 21 and 17 s of a worker's time; a file not named here
+# goes last.
+LONGEST_FIRST = ["test_rl_cartpole", "test_failures", "test_param_server",
+                 "test_pipeline_parallel", "test_ddp_rpc_hybrid", "test_rnn_model_parallel",
+                 "test_rpcrun", "test_monarch_runs", "test_bench", "test_versions",
+                 "test_rpc_profiling", "test_cuda_rpc"]
 
 
 def pytest_collection_modifyitems(items):

@@ -326,6 +326,7 @@ def test_every_worker_from_one_command(spawn_all):
 
 
 @pytest.mark.slow
+@pytest.mark.launch_modes
 def test_one_worker_per_command(runs, tmp_path):
     """worker1 first, then worker0, each its own plain command (the recipe's mp.Process):
     worker0's command ends with the summary."""
@@ -343,6 +344,7 @@ def test_one_worker_per_command(runs, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.launch_modes
 def test_under_torchrun(runs, tmp_path):
     """torchrun starts both workers; each takes its rank and the meeting point from it."""
     script = example_command("cuda_rpc", "--iterations", 1, "--summary_json",

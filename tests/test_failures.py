@@ -4,8 +4,9 @@ out), mp.spawn's report of a killed or failing rank turned into one line, a kill
 torch's processes with it, Ctrl-C mid-run, a closed pipe, the loopback-only listeners, a
 profiled run's one timeline, and ranks on two hosts. Every other path of the supervisor is
 test_rpcrun.py's (on a stand-in); every entry point, launch mode and fault is make faults'
-(bench/faults.py). Output is merged as a terminal shows it: rpcrun's line must be each
-terminal's last."""
+(bench/faults.py). The tests marked `faults` are cells of that matrix too: make test leaves
+them to make test-oldest, which runs them on the oldest torch (pyproject.toml's marker says
+why). Output is merged as a terminal shows it: rpcrun's line must be each terminal's last."""
 
 import ipaddress
 import json
@@ -100,6 +101,7 @@ def test_a_killed_trainer_is_every_terminals_last_line_without_torchs_tracebacks
     assert no_traceback(server) and no_traceback(trainer), server.output
 
 
+@pytest.mark.faults
 def test_mp_spawns_report_of_a_killed_rank_is_one_line(runs):
     """Every rank from one command: mp.spawn's traceback of the rank it lost is left out."""
     run = supervised(runs, "rl_cartpole", "--master_port", find_free_port(), endless=True)
@@ -117,6 +119,7 @@ def test_mp_spawns_report_of_a_killed_rank_is_one_line(runs):
     assert not run.leftovers()
 
 
+@pytest.mark.faults
 def test_a_rank_whose_code_raises_shows_its_traceback_then_one_line(runs, tmp_path):
     """Every rank from one command, the agent's own code raising (an error injected into its
     optimizer step by bench/fault_injection): its traceback, as mp.spawn carried it, then one
@@ -138,6 +141,7 @@ def test_a_rank_whose_code_raises_shows_its_traceback_then_one_line(runs, tmp_pa
 
 # --------- The supervisor killed, Ctrl-C, a closed pipe --------------------
 
+@pytest.mark.faults
 def test_a_killed_rpcrun_takes_torchs_processes_with_it(runs):
     agent, observer = per_rank(runs, "rl_cartpole")
     wait_working([agent], "rl_cartpole")
@@ -150,6 +154,7 @@ def test_a_killed_rpcrun_takes_torchs_processes_with_it(runs):
     assert not agent.leftovers()
 
 
+@pytest.mark.faults
 def test_ctrl_c_mid_run_ends_within_2_s_in_one_line(runs):
     server, trainer = per_rank(runs, "param_server")
     wait_working([trainer], "param_server")
@@ -166,6 +171,7 @@ def test_ctrl_c_mid_run_ends_within_2_s_in_one_line(runs):
     assert not server.leftovers() and not trainer.leftovers()
 
 
+@pytest.mark.faults
 def test_a_closed_pipe_ends_a_real_run_quietly(tmp_path):
     config = RUNS["rl_cartpole"]
     command = supervised_command(config.name, *config.endless, "--master_port",
@@ -281,6 +287,7 @@ def test_ranks_on_two_hosts_meet_and_a_killed_host_leaves_nothing(two_hosts, run
         assert not terminal.leftovers(), terminal.output
 
 
+@pytest.mark.faults
 def test_rpcrun_refuses_to_run_under_torchrun(runs):
     """torchrun's agent supervises its workers: rpcrun in front of the script is refused."""
     port = find_free_port()

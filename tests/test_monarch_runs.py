@@ -3,7 +3,8 @@ rl_cartpole/actors.py (the lighter: an agent in the controller's process, one ob
 process of its own), and their processes on another host. The plain command: a killed observer
 and a hung one each end it in one line (monarch_extras.py); under rpcrun: Ctrl-C and a killed
 controller, in rpcrun's line. No process is left behind. Every Monarch program under every
-fault: make faults."""
+fault: make faults; the tests marked `faults` are cells of its matrix, and make test leaves
+them to make test-oldest (pyproject.toml's marker says why)."""
 
 import os
 import re
@@ -74,6 +75,7 @@ def test_a_killed_observer_ends_the_run_in_one_line_naming_it(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_a_hung_observer_ends_the_run_within_call_timeout(runs):
     """SIGSTOP of the observer: the run ends at --call_timeout, and the stopped process goes
     too."""
@@ -91,6 +93,7 @@ def test_a_hung_observer_ends_the_run_within_call_timeout(runs):
 # --------- Under rpcrun: rpcrun's line --------------------
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_ctrl_c_under_rpcrun_ends_every_process_in_one_line(runs):
     """Ctrl-C reaches rpcrun (the command runs on a terminal of its own), which ends the
     controller and Monarch's processes."""
@@ -105,6 +108,7 @@ def test_ctrl_c_under_rpcrun_ends_every_process_in_one_line(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_a_killed_controller_under_rpcrun_leaves_no_process(runs):
     load_actors("rl_cartpole")
     run, controller, _ = playing(runs, rpcrun=True)
