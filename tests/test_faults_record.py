@@ -129,7 +129,8 @@ def test_no_write_records_nothing(faults, tmp_path):
     assert not list((tmp_path / "bench").iterdir())
 
 
-def test_the_plain_commands_are_recorded_by_torch_and_fill_that_torchs_table(faults, tmp_path):
+def test_the_plain_commands_are_recorded_by_torch_and_fill_that_torchs_table(faults, tmp_path,
+                                                                            capsys):
     page = tmp_path / "docs" / "failures.md"
     marker = f"make faults PLAIN=1, torch {faults.TORCH_MINOR}"
     page.write_text(f"# Failures\n\n<!-- {marker}: begin -->\nNot measured yet.\n"
@@ -142,6 +143,8 @@ def test_the_plain_commands_are_recorded_by_torch_and_fill_that_torchs_table(fau
     assert "Not measured yet." not in text
     assert "| per-rank | kill-rank | 1 of 1 |" in text
     assert text.endswith("\nThe rest of the page.\n")
+    # what the plain commands did, in words: no promise of rpcrun's to hold them to
+    assert f"{PROGRAM} per-rank kill-rank: every terminal ended; gone in" in capsys.readouterr().out
 
 
 def test_a_page_without_the_runs_markers_is_left_as_it_is(faults, tmp_path, capsys):
