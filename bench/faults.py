@@ -946,6 +946,10 @@ def main(argv=None):
                 cell = run_cell(program, mode, fault, folder, args.plain)
             except _Ended:  # the main thread ends every terminal, and this program
                 return
+            except OSError:
+                if _ending.is_set():  # its logs removed as this program ends: no cell's doing
+                    return
+                raise
             with printing:
                 if _ending.is_set():
                     # This program was stopped and ended the cell's terminals: they did not end

@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -96,6 +97,23 @@ def test_a_cell_that_the_programs_own_stop_ended_is_not_recorded(faults, tmp_pat
     record = json.loads((tmp_path / "bench" / f"faults-{faults.CORES}-cores.json").read_text())
     assert list(record["cells"]) == [f"{PROGRAM} {mode} {fault}"
                                      for _, mode, fault in faults.ran[:1]]
+
+
+def test_a_lane_whose_logs_are_removed_as_this_program_ends_leaves_quietly(faults, tmp_path,
+                                                                           monkeypatch):
+    """Ctrl-C ends every terminal and removes the cells' logs while a lane may still read one:
+    that lane ends without a traceback, and its cell is left for the next run."""
+    def logs_removed():
+        faults.end_every_terminal()
+        raise FileNotFoundError("rank-0.log")
+
+    unhandled = []
+    monkeypatch.setattr(threading, "excepthook", unhandled.append)
+    faults.during[2] = logs_removed
+    faults.main(["--program", PROGRAM, "--mode", "spawn-all", "--one_at_a_time"])
+    assert unhandled == []
+    record = json.loads((tmp_path / "bench" / f"faults-{faults.CORES}-cores.json").read_text())
+    assert len(record["cells"]) == 1
 
 
 def test_sigterm_records_the_cells_that_ended_and_writes_the_pages(faults, tmp_path,
