@@ -630,6 +630,22 @@ def check(cell):
     return ""
 
 
+def what_plain_did(cell):
+    """A plain cell in words, as its row of the plain page counts it: whether every terminal
+    ended by itself, the tracebacks shown, the processes left. Plain commands make no promise
+    to check them against."""
+    running = [name for name, _, _, ended in cell.terminals if ended is None]
+    words = [f"{', '.join(running)} still running {PLAIN_END_SECONDS} s on" if running
+             else "every terminal ended"]
+    if cell.tracebacks:
+        words.append(f"a traceback in {', '.join(cell.tracebacks)}")
+    if cell.left:
+        words.append(f"{cell.left} process(es) left")
+    if cell.problem:
+        words.append(cell.problem)
+    return "; ".join(words)
+
+
 def status_shown(status):
     """An exit status as a shell shows it: 128 + N for a command killed by signal N."""
     if status is not None and status < 0:
@@ -930,6 +946,10 @@ def main(argv=None):
                 cell = run_cell(program, mode, fault, folder, args.plain)
             except _Ended:  # the main thread ends every terminal, and this program
                 return
+            except OSError:
+                if _ending.is_set():  # its logs removed as this program ends: no cell's doing
+                    return
+                raise
             with printing:
                 if _ending.is_set():
                     # This program was stopped and ended the cell's terminals: they did not end
@@ -939,7 +959,8 @@ def main(argv=None):
                 if not args.no_write:
                     record_cell(record, cell, commit())
                     save_record(record, args.plain)
-                print(f"{program.path} {mode} {fault}: {check(cell) or 'ok'}; gone in "
+                verdict = what_plain_did(cell) if args.plain else (check(cell) or "ok")
+                print(f"{program.path} {mode} {fault}: {verdict}; gone in "
                       f"{cell.seconds} s; the cell took {cell.wall} s", flush=True)
                 for name, line, status, ended in cell.terminals:
                     print(f"    {name}: {line[:160]!r} ({status_shown(status)}, {ended} s)",

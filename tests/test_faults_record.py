@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -98,6 +99,23 @@ def test_a_cell_that_the_programs_own_stop_ended_is_not_recorded(faults, tmp_pat
                                      for _, mode, fault in faults.ran[:1]]
 
 
+def test_a_lane_whose_logs_are_removed_as_this_program_ends_leaves_quietly(faults, tmp_path,
+                                                                           monkeypatch):
+    """Ctrl-C ends every terminal and removes the cells' logs while a lane may still read one:
+    that lane ends without a traceback, and its cell is left for the next run."""
+    def logs_removed():
+        faults.end_every_terminal()
+        raise FileNotFoundError("rank-0.log")
+
+    unhandled = []
+    monkeypatch.setattr(threading, "excepthook", unhandled.append)
+    faults.during[2] = logs_removed
+    faults.main(["--program", PROGRAM, "--mode", "spawn-all", "--one_at_a_time"])
+    assert unhandled == []
+    record = json.loads((tmp_path / "bench" / f"faults-{faults.CORES}-cores.json").read_text())
+    assert len(record["cells"]) == 1
+
+
 def test_sigterm_records_the_cells_that_ended_and_writes_the_pages(faults, tmp_path,
                                                                     monkeypatch, capsys):
     """SIGTERM to make faults while its third cell runs: the two cells before it are recorded
@@ -129,7 +147,8 @@ def test_no_write_records_nothing(faults, tmp_path):
     assert not list((tmp_path / "bench").iterdir())
 
 
-def test_the_plain_commands_are_recorded_by_torch_and_fill_that_torchs_table(faults, tmp_path):
+def test_the_plain_commands_are_recorded_by_torch_and_fill_that_torchs_table(faults, tmp_path,
+                                                                            capsys):
     page = tmp_path / "docs" / "failures.md"
     marker = f"make faults PLAIN=1, torch {faults.TORCH_MINOR}"
     page.write_text(f"# Failures\n\n<!-- {marker}: begin -->\nNot measured yet.\n"
@@ -142,6 +161,8 @@ def test_the_plain_commands_are_recorded_by_torch_and_fill_that_torchs_table(fau
     assert "Not measured yet." not in text
     assert "| per-rank | kill-rank | 1 of 1 |" in text
     assert text.endswith("\nThe rest of the page.\n")
+    # what the plain commands did, in words: no promise of rpcrun's to hold them to
+    assert f"{PROGRAM} per-rank kill-rank: every terminal ended; gone in" in capsys.readouterr().out
 
 
 def test_a_page_without_the_runs_markers_is_left_as_it_is(faults, tmp_path, capsys):
