@@ -847,8 +847,9 @@ def write_failures_page(table, cells, matrix, broken, commits, plain):
     counted = (f"Cells: {cells} of {matrix}" + ("" if cells == matrix else " (the others not "
                "run yet)") + ("" if plain else f"; as they should be: {cells - broken}"))
     measured = [begin,
-                f"Measured by `{kind}` on {machine()}, commit(s) {', '.join(commits) or '?'}, "
-                f"{bounds(plain)}. {counted}. Each cell is in [{results}](../{results}).", "",
+                f"Measured by `{kind}` on {machine()}, commit(s) {', '.join(commits) or '?'}. "
+                f"Bounds: {bounds(plain)}. {counted}. Each cell is in [{results}](../{results}).",
+                "",
                 *table, end]
     write_whole(page, before + "\n".join(measured) + after)
 
